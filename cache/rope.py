@@ -1,0 +1,295 @@
+"""Rotary position embeddings as pure functions: rotate, un-rotate and relocate.
+
+RoPE rotates each frequency pair of a key by the angle ``position * inv_freq[j]``. Rotations
+compose, ``R(p + d) = R(d) R(p)``, so a key rotated for position ``p`` moves to ``p + d`` by one
+more rotation, and a key with its rotation removed (the *pre-RoPE frame*) carries no position.
+
+Conventions (read from transformers' own code, see DESIGN.md section 7):
+
+- ``pairing="half"``: frequency ``j`` pairs dims ``(j, j + rotary_dim/2)`` (HF ``rotate_half``,
+  Llama, Qwen, GPT-NeoX, Phi). ``pairing="interleaved"``: it pairs ``(2j, 2j + 1)`` (DeepSeek's
+  complex multiplication over adjacent pairs).
+- The rotation is counter-clockwise: ``(a, b) -> (a cos t - b sin t, b cos t + a sin t)``.
+- Dims past ``rotary_dim`` (partial rotary) pass through untouched.
+- ``attention_scaling`` (YaRN's mscale) multiplies cos and sin; :func:`unrotate` divides it out,
+  :func:`relocate` never applies it (moving a rotated key keeps its magnitude).
+- M-RoPE: positions are ``[3, T]`` (temporal, height, width); each frequency reads one axis.
+  Contiguous sections (Qwen2-VL, Qwen2.5-VL) give the first ``mrope_section[0]`` frequencies to
+  the temporal axis, the next ``mrope_section[1]`` to height, and so on; interleaved sections
+  (Qwen3-VL) cycle t, h, w over the frequencies up to ``3 * mrope_section[i]``.
+
+Angles are computed in float64 (positions can be large), the rotation in float32, and the
+result is cast back to the input dtype.
+
+Not here: anything about models or caches; the inverse frequencies of a checkpoint come from
+the builders below or from the model itself (see ``agent/adapters``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from threading import Lock
+from typing import Literal
+
+import torch
+
+Pairing = Literal["half", "interleaved"]
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What a model's rotary embedding does to one head's features.
+
+    ``inv_freq`` holds the ``rotary_dim // 2`` inverse frequencies exactly as the model uses them
+    (float32 values for HF models, kept as Python floats so the spec is hashable).
+    """
+
+    inv_freq: tuple[float, ...]
+    pairing: Pairing = "half"
+    attention_scaling: float = 1.0
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
+    _axes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.inv_freq:
+            raise ValueError("RopeSpec needs at least one inverse frequency")
+        if self.pairing not in ("half", "interleaved"):
+            raise ValueError(f"pairing must be 'half' or 'interleaved', got {self.pairing!r}")
+        if not (self.attention_scaling > 0 and math.isfinite(self.attention_scaling)):
+            raise ValueError(f"attention_scaling must be positive, got {self.attention_scaling}")
+        object.__setattr__(self, "inv_freq", tuple(float(f) for f in self.inv_freq))
+        if self.mrope_section is not None:
+            sec = tuple(int(s) for s in self.mrope_section)
+            object.__setattr__(self, "mrope_section", sec)
+            if len(sec) != 3 or min(sec) < 0:
+                raise ValueError(f"mrope_section must be three non-negative counts, got {sec}")
+            if sum(sec) != len(self.inv_freq):
+                raise ValueError(
+                    f"mrope_section {sec} sums to {sum(sec)}, expected {len(self.inv_freq)} frequencies"
+                )
+        object.__setattr__(self, "_axes", _frequency_axes(self))
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+    @property
+    def n_axes(self) -> int:
+        """1 for plain RoPE, 3 for M-RoPE (positions ``[3, T]``)."""
+        return 1 if self.mrope_section is None else 3
+
+    @property
+    def frequency_axes(self) -> tuple[int, ...]:
+        """For each frequency, which position axis drives it (all 0 for 1-D RoPE)."""
+        return self._axes
+
+
+def _frequency_axes(spec: RopeSpec) -> tuple[int, ...]:
+    n = len(spec.inv_freq)
+    sec = spec.mrope_section
+    if sec is None:
+        return (0,) * n
+    if not spec.mrope_interleaved:
+        return tuple(axis for axis, count in enumerate(sec) for _ in range(count))
+    axes = [0] * n
+    for axis in (1, 2):
+        for j in range(axis, min(3 * sec[axis], n), 3):
+            axes[j] = axis
+    return tuple(axes)
+
+
+# --- inverse frequencies, computed the way transformers computes them (float32) -------------
+
+
+def default_inv_freq(dim: int, base: float) -> tuple[float, ...]:
+    """``1 / base^(2j/dim)`` for ``j < dim/2``, in float32 as HF computes it."""
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"rotary dim must be positive and even, got {dim}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return tuple((1.0 / (base**exponents)).tolist())
+
+
+def linear_inv_freq(dim: int, base: float, factor: float) -> tuple[float, ...]:
+    """Linear position interpolation: every frequency divided by ``factor``."""
+    inv = torch.tensor(default_inv_freq(dim, base), dtype=torch.float32) / factor
+    return tuple(inv.tolist())
+
+
+def llama3_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> tuple[float, ...]:
+    """Llama-3 scaling: long wavelengths divided by ``factor``, a smooth blend in between."""
+    inv = torch.tensor(default_inv_freq(dim, base), dtype=torch.float32)
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return tuple(torch.where(medium, smoothed, scaled).tolist())
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    attention_factor: float | None = None,
+    truncate: bool = True,
+) -> tuple[tuple[float, ...], float]:
+    """YaRN as DeepSeek uses it: (inverse frequencies, magnitude folded into cos/sin)."""
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    inv = interpolation * (1 - keep) + extrapolation * keep
+    return tuple(inv.tolist()), float(attention_factor)
+
+
+# --- rotation ---------------------------------------------------------------------------
+
+
+def angles(positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Rotation angle of every (token, frequency): float64 ``[T, rotary_dim // 2]``.
+
+    ``positions`` is ``[T]`` for 1-D RoPE or ``[3, T]`` for M-RoPE (a ``[T]`` tensor given to an
+    M-RoPE spec means text: all three axes equal).
+    """
+    pos = positions.to(torch.float64)
+    inv = torch.tensor(spec.inv_freq, dtype=torch.float64, device=positions.device)
+    if spec.n_axes == 1:
+        if pos.dim() != 1:
+            raise ValueError(f"1-D RoPE takes positions [T], got shape {tuple(positions.shape)}")
+        return pos[:, None] * inv
+    if pos.dim() == 1:
+        pos = pos.expand(3, -1)
+    if pos.dim() != 2 or pos.shape[0] != 3:
+        raise ValueError(f"M-RoPE takes positions [3, T], got shape {tuple(positions.shape)}")
+    axes = torch.tensor(spec.frequency_axes, device=positions.device)
+    return pos[axes].transpose(0, 1) * inv  # [T, F]
+
+
+_TABLE_CACHE: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_TABLE_LOCK = Lock()
+_TABLE_CACHE_SIZE = 512
+
+
+def cos_sin(positions: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin`` of :func:`angles`, ``[T, rotary_dim // 2]``, memoised per positions.
+
+    The memo is keyed by the positions' bytes, so a chunk placed at the same start again (or a
+    window re-assembled) reuses its table instead of recomputing transcendental functions.
+    """
+    key = (spec, positions.device, tuple(positions.shape), positions.cpu().numpy().tobytes())
+    with _TABLE_LOCK:
+        hit = _TABLE_CACHE.get(key)
+        if hit is not None:
+            _TABLE_CACHE.move_to_end(key)
+            return hit
+    a = angles(positions, spec)
+    table = (a.cos().to(torch.float32), a.sin().to(torch.float32))
+    with _TABLE_LOCK:
+        _TABLE_CACHE[key] = table
+        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+            _TABLE_CACHE.popitem(last=False)
+    return table
+
+
+def _pair_views(x: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two members of every frequency pair, as views ``[..., rotary_dim // 2]``."""
+    rd = spec.rotary_dim
+    if spec.pairing == "half":
+        return x[..., : rd // 2], x[..., rd // 2 : rd]
+    return x[..., 0:rd:2], x[..., 1:rd:2]
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """``(a, b) -> (a cos - b sin, b cos + a sin)`` on every pair; the kernel behind the rest.
+
+    x: ``[..., T, D]`` with ``D >= rotary_dim``; cos, sin: float32, broadcastable to
+    ``[..., T, rotary_dim // 2]``. Returns a new tensor of x's dtype; x is not modified.
+    """
+    if x.shape[-1] < spec.rotary_dim:
+        raise ValueError(f"feature dim {x.shape[-1]} is smaller than rotary_dim {spec.rotary_dim}")
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    out = torch.empty_like(xf)
+    a, b = _pair_views(xf, spec)
+    oa, ob = _pair_views(out, spec)
+    torch.mul(a, cos, out=oa)
+    oa.addcmul_(b, sin, value=-1.0)
+    torch.mul(b, cos, out=ob)
+    ob.addcmul_(a, sin)
+    if spec.rotary_dim < x.shape[-1]:
+        out[..., spec.rotary_dim :] = xf[..., spec.rotary_dim :]
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _check_tokens(x: torch.Tensor, positions: torch.Tensor) -> None:
+    if x.dim() < 2 or x.shape[-2] != positions.shape[-1]:
+        raise ValueError(
+            f"x [..., T, D] has T={x.shape[-2] if x.dim() >= 2 else None}, positions have "
+            f"{positions.shape[-1]} tokens"
+        )
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Apply RoPE: pre-RoPE ``x [..., T, D]`` to the frame of ``positions`` (``[T]`` or ``[3, T]``)."""
+    _check_tokens(x, positions)
+    cos, sin = cos_sin(positions.to(x.device), spec)
+    if spec.attention_scaling != 1.0:
+        cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
+    return apply_rotation(x, cos, sin, spec)
+
+
+def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Remove RoPE: the exact inverse of :func:`rotate` (scaling divided out)."""
+    _check_tokens(x, positions)
+    cos, sin = cos_sin(positions.to(x.device), spec)
+    inv = 1.0 / spec.attention_scaling
+    return apply_rotation(x, cos * inv, sin * -inv, spec)
+
+
+def relocate(x: torch.Tensor, delta: int, spec: RopeSpec) -> torch.Tensor:
+    """Move rotated keys ``[..., T, D]`` by ``delta`` positions (all M-RoPE axes alike).
+
+    One angle per frequency for every token: ``R(p + delta) = R(delta) R(p)``.
+    """
+    a = torch.tensor(spec.inv_freq, dtype=torch.float64, device=x.device) * float(delta)
+    return apply_rotation(x, a.cos().to(torch.float32), a.sin().to(torch.float32), spec)
