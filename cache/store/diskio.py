@@ -41,10 +41,10 @@ class CorruptEntryError(ValueError):
 class DiskRecord:
     """What the index knows of one entry file."""
 
-    file: str       # name inside the entries folder
-    size: int       # file bytes (what the disk budget counts)
-    nbytes: int     # tensor bytes
-    checksum: str   # blake3 hex digest of the whole file
+    file: str  # name inside the entries folder
+    size: int  # file bytes (what the disk budget counts)
+    nbytes: int  # tensor bytes
+    checksum: str  # blake3 hex digest of the whole file
     written: float  # time.time() when written; orders a fresh process's policy
 
 

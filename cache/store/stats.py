@@ -18,7 +18,7 @@ Counter meanings, per tier:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 
@@ -56,8 +56,7 @@ class TierStats:
     @classmethod
     def of(cls, tier: str, budget_bytes: int, bytes_in_use: int, entries: int, c: TierCounters) -> TierStats:
         return cls(
-            tier, budget_bytes, bytes_in_use, entries, c.hits, c.misses, c.bytes_written,
-            c.bytes_read, c.evictions, c.promotions, c.demotions, c.corrupt_dropped,
+            tier=tier, budget_bytes=budget_bytes, bytes_in_use=bytes_in_use, entries=entries, **asdict(c)
         )
 
 
