@@ -1,0 +1,170 @@
+"""The adapter contract: the only place that knows how a transformers model holds its KV.
+
+An adapter turns chunk inputs (text token ids, an image) into :class:`cache.layout.ChunkKV` in
+the pre-RoPE frame, assembles placed chunks into the model's own cache object, and runs the
+model for new tokens on such a cache with explicit positions. Everything above it (context
+manager, planner, agent loop) speaks only ``ChunkKV``, positions and token ids.
+
+Not here: which chunks to reuse or where to place them (``agent/context.py``), storage, patches.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from cache.layout import ChunkKV, Family
+from cache.rope import RopeSpec
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """A text chunk: token ids ``[T]`` (int64)."""
+
+    ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 1 or self.ids.dtype != torch.int64:
+            raise ValueError(f"text ids must be int64 [T], got {self.ids.dtype} {tuple(self.ids.shape)}")
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.numel())
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One preprocessed image: the processor's ``pixel_values`` and ``image_grid_thw`` row.
+
+    ``content_key`` identifies the pixels (see ``cache/keys.py``); the vision encoder runs once per
+    key. ``ids`` are the chunk's tokens (vision start, one pad per merged patch, vision end).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    ids: torch.Tensor
+    content_key: str
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.numel())
+
+
+ChunkInput = TextInput | ImageInput
+
+
+class Prefill(NamedTuple):
+    """What :meth:`ModelAdapter.prefill` returns.
+
+    logits: ``[T, vocab]`` float32 for the new tokens; kv: the new tokens' KV, pre-RoPE, with
+    positions relative to their own start; cache: the model cache now holding context + new.
+    """
+
+    logits: torch.Tensor
+    kv: ChunkKV
+    cache: Any
+
+
+class Generation(NamedTuple):
+    tokens: list[int]
+    first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    family: Family
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    fingerprint: str
+
+
+class ModelAdapter(ABC):
+    """Contract between the runtime and one loaded model.
+
+    All tensors returned are on the model's device. Positions are absolute sequence positions;
+    for M-RoPE models a ``[3, T]`` tensor, for others ``[T]``.
+    """
+
+    info: ModelInfo
+    spec: RopeSpec
+    tokenizer: Any
+
+    @property
+    def family(self) -> Family:
+        return self.info.family
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @abstractmethod
+    def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
+        """The chunk's positions relative to its start and its extent."""
+
+    @abstractmethod
+    def empty_cache(self) -> Any:
+        """A model cache holding nothing."""
+
+    @abstractmethod
+    def assemble(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """A model cache holding, in order, each chunk's post-RoPE ``(k, v)`` (ChunkKV layout).
+
+        The result owns its tensors: running the model on it never modifies the inputs.
+        """
+
+    @abstractmethod
+    def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
+        """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
+
+    def encode(self, chunk: ChunkInput) -> ChunkKV:
+        """Canonical KV: the chunk on its own, ``KV(B|∅)``."""
+        return self.prefill(chunk, self.empty_cache(), 0).kv
+
+    def text(self, ids: Sequence[int] | torch.Tensor) -> TextInput:
+        return TextInput(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
+
+    @abstractmethod
+    def decode_step(self, token: int, cache: Any, position: int) -> torch.Tensor:
+        """Logits ``[vocab]`` of the token after ``token`` placed at ``position``."""
+
+    @property
+    @abstractmethod
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end a generation."""
+
+    def generate(
+        self, prompt: ChunkInput, cache: Any, start: int, max_new_tokens: int, first_logits: torch.Tensor | None = None
+    ) -> Generation:
+        """Greedy decoding after ``prompt`` placed at ``start`` on ``cache`` (which grows).
+
+        Returns the generated token ids (end token excluded) and timings; the time to first
+        token covers the prompt's prefill and the first argmax.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        if first_logits is None:
+            out = self.prefill(prompt, cache, start)
+            first_logits = out.logits[-1]
+        _, extent = self.chunk_positions(prompt)
+        pos = start + extent
+        token = int(first_logits.argmax())
+        first = time.perf_counter() - t0
+        tokens: list[int] = []
+        while token not in self.eos_ids and len(tokens) < max_new_tokens:
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                break
+            token = int(self.decode_step(token, cache, pos).argmax())
+            pos += 1
+        return Generation(tokens, first, time.perf_counter() - t0)

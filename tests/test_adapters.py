@@ -1,0 +1,134 @@
+"""Relocation is exact through every adapter: a chunk encoded alone at 0 and rotated to s equals
+the chunk prefilled alone at s, and a query on the relocated cache sees what it would see on the
+direct prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _util import max_rel
+from PIL import Image, ImageDraw
+
+from agent.adapters.base import ModelAdapter
+from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
+from agent.adapters.tiny import BUILDERS, tiny_adapter
+
+TEXT_FAMILIES = [n for n in BUILDERS if n != "qwen2.5-vl"]
+
+
+def picture(seed: int, size: tuple[int, int] = (112, 84)) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    img = Image.new("RGB", size, tuple(int(c) for c in torch.randint(0, 255, (3,), generator=g)))
+    draw = ImageDraw.Draw(img)
+    for _ in range(6):
+        x, y = (int(v) for v in torch.randint(0, min(size), (2,), generator=g))
+        draw.ellipse((x, y, x + 20, y + 15), fill=tuple(int(c) for c in torch.randint(0, 255, (3,), generator=g)))
+    return img
+
+
+def check_relocation(adapter: ModelAdapter, chunk, start: int, key_tol: float = 1e-5) -> None:  # type: ignore[no-untyped-def]
+    canonical = adapter.encode(chunk)
+    direct = adapter.prefill(chunk, adapter.empty_cache(), start).kv
+    k_moved, v_moved = canonical.place(start, adapter.spec)
+    k_direct, v_direct = direct.place(start, adapter.spec)
+    assert max_rel(k_moved, k_direct) <= key_tol, max_rel(k_moved, k_direct)
+    assert max_rel(v_moved, v_direct) <= key_tol
+    assert v_moved is canonical.v  # the position-free part is reused byte for byte, never copied
+    query = adapter.text(torch.arange(5, 12))
+    on_moved = adapter.prefill(query, adapter.assemble([(k_moved, v_moved)]), start + canonical.extent).logits
+    cache = adapter.empty_cache()
+    adapter.prefill(chunk, cache, start)
+    on_direct = adapter.prefill(query, cache, start + canonical.extent).logits
+    assert float((on_moved - on_direct).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("name", TEXT_FAMILIES)
+@pytest.mark.parametrize("start", [1, 37, 150])
+def test_text_chunk_relocation_is_exact(name: str, start: int) -> None:
+    adapter = tiny_adapter(name)
+    check_relocation(adapter, adapter.text(torch.randint(2, 500, (24,), generator=torch.Generator().manual_seed(start))), start)
+
+
+def test_mla_stores_the_latent_not_expanded_kv() -> None:
+    adapter = tiny_adapter("deepseek-mla")
+    kv = adapter.encode(adapter.text(torch.arange(2, 30)))
+    cfg = adapter.model.config  # type: ignore[attr-defined]
+    assert kv.family == "mla"
+    assert kv.k.shape == (cfg.num_hidden_layers, 1, 28, cfg.qk_rope_head_dim)
+    assert kv.v.shape == (cfg.num_hidden_layers, 1, 28, cfg.kv_lora_rank)
+    expanded = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    assert kv.nbytes / 28 < expanded * 4 * cfg.num_hidden_layers
+
+
+def test_yarn_scaling_is_divided_out() -> None:
+    adapter = tiny_adapter("deepseek-mla-yarn")
+    assert adapter.spec.attention_scaling != 1.0
+    check_relocation(adapter, adapter.text(torch.arange(3, 40)), 61)
+
+
+def test_image_chunk_relocation_is_exact_under_mrope() -> None:
+    adapter = tiny_adapter("qwen2.5-vl")
+    chunk = adapter.image(picture(1))  # type: ignore[attr-defined]
+    positions, extent = adapter.chunk_positions(chunk)
+    assert positions.shape == (3, chunk.n_tokens)
+    assert extent < chunk.n_tokens  # a grid's extent is its longer side, not its token count
+    check_relocation(adapter, chunk, 23)
+
+
+def test_qwen_vl_positions_and_logits_match_the_full_forward() -> None:
+    """Chunk-by-chunk prefill (text, image, text) equals HF's own forward on the whole prompt."""
+    adapter = tiny_adapter("qwen2.5-vl")
+    image = adapter.image(picture(2))  # type: ignore[attr-defined]
+    before, after = adapter.text(torch.arange(10, 17)), adapter.text(torch.arange(30, 36))
+    ids = torch.cat([before.ids, image.ids, after.ids])[None]
+    types = (ids == adapter.image_token_id).int()  # type: ignore[attr-defined]
+    grid = torch.tensor([image.grid_thw])
+    model = adapter.model  # type: ignore[attr-defined]
+    ref_pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid)
+    ours = []
+    start = 0
+    for chunk in (before, image, after):
+        rel, extent = adapter.chunk_positions(chunk)
+        ours.append(rel + start)
+        start += extent
+    assert torch.equal(torch.cat(ours, dim=1), ref_pos[:, 0])
+    with torch.inference_mode():
+        ref = model(input_ids=ids, pixel_values=image.pixel_values, image_grid_thw=grid, mm_token_type_ids=types).logits[0]
+    cache, start, logits = adapter.empty_cache(), 0, []
+    for chunk in (before, image, after):
+        logits.append(adapter.prefill(chunk, cache, start).logits)
+        start += adapter.chunk_positions(chunk)[1]
+    assert float((torch.cat(logits) - ref).abs().max()) < 1e-4
+
+
+def test_vision_encoder_runs_once_per_image() -> None:
+    adapter = tiny_adapter("qwen2.5-vl")
+    a, b = adapter.image(picture(3)), adapter.image(picture(4))  # type: ignore[attr-defined]
+    again = adapter.image(picture(3))  # type: ignore[attr-defined]
+    assert again.content_key == a.content_key != b.content_key
+    for chunk in (a, b, again, a):
+        adapter.encode(chunk)
+    assert adapter.vision_encoder_calls == 2  # type: ignore[attr-defined]
+
+
+def test_text_model_refuses_images_and_unknown_models(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    adapter = tiny_adapter("llama-gqa")
+    vl = tiny_adapter("qwen2.5-vl")
+    with pytest.raises(TypeError, match="text-only"):
+        adapter.encode(vl.image(picture(5)))  # type: ignore[attr-defined]
+    with pytest.raises(ModelNotFoundError):
+        load_adapter(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(UnsupportedModelError, match="bert"):
+        load_adapter(str(tmp_path))
+
+
+def test_smollm2_relocation_and_greedy_answer(smollm2: ModelAdapter) -> None:
+    tok = smollm2.tokenizer
+    text = smollm2.text(tok("The Eiffel Tower is in Paris, the capital of France.")["input_ids"])
+    check_relocation(smollm2, text, 100, key_tol=1e-5)
+    question = smollm2.text(tok(" The Eiffel Tower is located in the city of")["input_ids"])
+    kv = smollm2.encode(text)
+    cache = smollm2.assemble([kv.place(0, smollm2.spec)])
+    out = smollm2.generate(question, cache, kv.extent, max_new_tokens=3)
+    assert "Paris" in tok.decode(out.tokens)
