@@ -250,7 +250,7 @@ def fit_patch(
 def fit_delta(delta_k: torch.Tensor, delta_v: torch.Tensor, config: PatchConfig) -> FitResult:
     """Fit ``Δk [L, H_k, T, D_k]``, ``Δv [L, H_v, T, D_v]`` by truncated SVD per block."""
     _check_kv(delta_k, delta_v)
-    return fit_groups(_groups(delta_k, delta_v, config.arrangement), None, delta_k, delta_v, config)
+    return fit_groups(groups(delta_k, delta_v, config.arrangement), None, delta_k, delta_v, config)
 
 
 def fit_groups(
@@ -287,7 +287,7 @@ def fit_groups(
         ranks = tuple(min(r, config.max_rank) for r in ranks)
     blocks = tuple(_store(us[i][:, :r], vs[i][:, :r], config.storage) for i, r in enumerate(ranks))
     energy = torch.stack(totals)
-    kept = torch.stack([s.energies[:r].sum() for s, r in zip(spectra, ranks, strict=True)])
+    kept = torch.stack([_energy(us[i][:, :r], vs[i][:, :r]) for i, r in enumerate(ranks)])
     patch = Patch(
         blocks,
         config.arrangement,
@@ -304,6 +304,12 @@ def bytes_per_rank(n_tokens: int, width: int, storage: Storage) -> int:
     return (n_tokens + width) * _DTYPES[storage].itemsize + scales
 
 
+def _energy(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``||u vᵀ||²`` without forming it: ``sum((uᵀu) * (vᵀv))``, float64."""
+    u, v = u.to(torch.float64), v.to(torch.float64)
+    return ((u.T @ u) * (v.T @ v)).sum()
+
+
 def as_matrix(x: torch.Tensor) -> torch.Tensor:
     """``[L, H, T, D]`` to float32 ``[L, T, H * D]`` (heads flattened into features)."""
     n_layers, heads, n_tokens, dim = x.shape
@@ -315,7 +321,11 @@ def _from_matrix(m: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return m.reshape(m.shape[0], shape[0], shape[1]).permute(1, 0, 2)
 
 
-def _groups(delta_k: torch.Tensor, delta_v: torch.Tensor, arrangement: Arrangement) -> list[torch.Tensor]:
+def groups(delta_k: torch.Tensor, delta_v: torch.Tensor, arrangement: Arrangement) -> list[torch.Tensor]:
+    """The matrices a patch approximates, float32.
+
+    joint: ``[[L, T, F_k + F_v]]``; split: ``[[L, T, F_k], [L, T, F_v]]``.
+    """
     mk, mv = as_matrix(delta_k), as_matrix(delta_v)
     return [torch.cat([mk, mv], dim=2)] if arrangement == "joint" else [mk, mv]
 
