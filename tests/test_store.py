@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import re
 import tempfile
 import threading
 import time
@@ -101,6 +102,38 @@ def test_entry_files_are_plain_safetensors(tmp_path: Path) -> None:
     with safe_open(path, framework="pt") as f:
         assert set(f.keys()) == {"k", "v", "positions"}
         assert json.loads(f.metadata()["kamera.meta"])["n_tokens"] == 4
+
+
+def test_no_pickle_in_the_store() -> None:
+    import cache.store as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        assert not re.search(
+            r"^\s*(import|from) (pickle|dill|marshal)|torch\.load\(|weights_only", path.read_text(), re.M
+        ), path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_tier_demotes_to_host_and_promotes_back() -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=4 * NBYTES, device_bytes=2 * NBYTES))
+    assert [t.name for t in store.tiers] == ["device", "host"]
+    entries = {f"g{i}": make_entry(i, dtype=torch.bfloat16 if i % 2 else torch.float32) for i in range(4)}
+    for key, entry in entries.items():
+        store.put(key, entry)
+    device, host = (t for t in store.tiers if isinstance(t, MemoryTier))
+
+    def device_types(tier: MemoryTier) -> set[str]:
+        return {t.device.type for k in tier if (e := tier.peek(k)) is not None for t in e.tensors.values()}
+
+    assert device_types(device) == {"cuda"}
+    assert device_types(host) == {"cpu"}
+    got = store.get("g0")  # host hit: moved to the GPU
+    assert got is not None
+    assert got.tensors["k"].is_cuda
+    assert_same(got, entries["g0"])
+    assert store.stats().tier("device").promotions == 1
+    assert device.bytes_in_use <= device.budget_bytes
 
 
 # -- entries and config validation ---------------------------------------------------------------

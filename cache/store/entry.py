@@ -62,7 +62,7 @@ class Entry:
     def to(self, device: torch.device, *, copy: bool = False) -> Entry:
         """The same entry with contiguous tensors on `device`; `copy` forces fresh storage."""
         moved = {
-            name: t.to(device, copy=copy, memory_format=torch.contiguous_format).contiguous()
+            name: t.detach().to(device, copy=copy, memory_format=torch.contiguous_format).contiguous()
             for name, t in self.tensors.items()
         }
         return Entry(moved, self.meta)
