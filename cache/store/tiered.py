@@ -134,7 +134,11 @@ class TieredStore:
             owned = entry.to(target.device if target is not None else torch.device("cpu"), copy=True)
             landed = None
             if self._disk is not None and (self._write_through or target is None):
-                self._disk.insert(key, owned, "put")
+                try:
+                    self._disk.insert(key, owned, "put")
+                except EntryTooLargeError:  # the file header tipped it over the disk budget
+                    self._refused += 1
+                    raise
                 landed = self._disk.name
             for tier in self._memory:
                 tier.remove(key)
