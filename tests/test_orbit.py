@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,10 +15,11 @@ from tests.test_patch import synthetic_delta
 
 
 def test_sampler_is_exhaustive_when_small_and_distinct_and_seeded_otherwise():
-    assert sorted(sample_orderings(3, 6)) == sorted(__import__("itertools").permutations(range(3)))
+    assert sorted(sample_orderings(3, 6)) == sorted(itertools.permutations(range(3)))
     assert len(list(sample_orderings(3, 100))) == math.factorial(3)
     drawn = list(sample_orderings(6, 50, seed=3))
-    assert len(drawn) == 50 and len(set(drawn)) == 50
+    assert len(drawn) == 50
+    assert len(set(drawn)) == 50
     assert all(sorted(p) == list(range(6)) for p in drawn)
     assert drawn == list(sample_orderings(6, 50, seed=3))
     assert drawn != list(sample_orderings(6, 50, seed=4))
@@ -69,7 +71,8 @@ def test_holdout_reports_relative_residuals():
     deltas = orbit_deltas(6, 0.1)
     config = PatchConfig(rank=FixedRank(8), storage="float16")
     report = holdout(deltas, 4, config)
-    assert report.fitted.shape == (4,) and report.held_out.shape == (2,)
+    assert report.fitted.shape == (4,)
+    assert report.held_out.shape == (2,)
     assert 0.0 <= report.held_out_mean <= report.held_out_worst < 0.1
     patch = fit_orbit(deltas[:4], config).patch
     torch.testing.assert_close(report.held_out, relative_residual(patch, deltas[4:]))
@@ -82,4 +85,5 @@ def test_holdout_reports_relative_residuals():
 def test_fit_orbit_patches_one_per_chunk():
     chunks = [orbit_deltas(3, 0.2, seed=s) for s in (0, 1)]
     patches = fit_orbit_patches(chunks, PatchConfig(rank=FixedRank(3)))
-    assert len(patches) == 2 and all(p.ranks == (3, 3, 3) for p in patches)
+    assert len(patches) == 2
+    assert all(p.ranks == (3, 3, 3) for p in patches)

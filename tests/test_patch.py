@@ -114,7 +114,8 @@ def test_nbytes_and_safetensors_round_trip(storage, arrangement):
     assert patch.nbytes == sum(r * c for r, c in zip(patch.ranks, costs, strict=True))
     assert [s.bytes_per_rank for s in fit.spectra] == costs
     back = Patch.from_dict(load(save(patch.to_dict())))
-    assert back.ranks == patch.ranks and back.arrangement == patch.arrangement
+    assert back.ranks == patch.ranks
+    assert back.arrangement == patch.arrangement
     for a, b in zip(back.dense(), patch.dense(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert io.BytesIO(save(patch.to_dict())).getbuffer().nbytes < patch.nbytes + 4096
@@ -128,8 +129,10 @@ def test_int8_error_is_within_half_a_step_per_element():
         u, v = f32.blocks[layer].dense()
         qu, qv = i8.blocks[layer].dense()
         su, sv = i8.blocks[layer].u_scale, i8.blocks[layer].v_scale
-        assert su is not None and sv is not None
-        assert bool(((qu - u).abs() <= su / 2 + 1e-7).all()) and bool(((qv - v).abs() <= sv / 2 + 1e-7).all())
+        assert su is not None
+        assert sv is not None
+        assert bool(((qu - u).abs() <= su / 2 + 1e-7).all())
+        assert bool(((qv - v).abs() <= sv / 2 + 1e-7).all())
         # elementwise bound on the product: |Δu| |v'|ᵀ + |u| |Δv|ᵀ
         bound = (su / 2).expand_as(u) @ qv.abs().T + u.abs() @ (sv / 2).expand_as(v).T
         assert bool(((qu @ qv.T - u @ v.T).abs() <= bound * (1 + 1e-4) + 1e-6).all())
@@ -139,7 +142,8 @@ def test_int8_error_is_within_half_a_step_per_element():
 
 def test_quantize_int8_zero_column():
     q, s = quantize_int8(torch.zeros(5, 2))
-    assert bool((q == 0).all()) and bool((s == 1).all())
+    assert bool((q == 0).all())
+    assert bool((s == 1).all())
 
 
 def unfused_place(k, v, patch, positions, spec):
@@ -179,7 +183,8 @@ def test_apply_and_place_mla_mrope_and_half_precision():
     torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=1e-5)
     half_k, half_v = apply_and_place(canon_k.half(), canon_v.half(), patch, positions, spec)
-    assert half_k.dtype == torch.float16 and half_v.dtype == torch.float16
+    assert half_k.dtype == torch.float16
+    assert half_v.dtype == torch.float16
     torch.testing.assert_close(half_k.float(), ref_k, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(half_v.float(), ref_v, atol=1e-2, rtol=1e-2)
 
