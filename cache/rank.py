@@ -77,12 +77,12 @@ class EnergyRank:
     def select(self, blocks: Sequence[BlockSpectrum]) -> tuple[int, ...]:
         ranks = []
         for b in blocks:
-            if b.total <= 0.0 or self.fraction == 0.0:
+            # tiny slack so that fraction=1 is met despite rounding in the spectrum
+            need = self.fraction * b.total * (1.0 - 1e-9)
+            if need <= 0.0:
                 ranks.append(0)
                 continue
             kept = torch.cumsum(b.energies.to(torch.float64), 0)
-            # tiny slack so that fraction=1 is met despite rounding in the spectrum
-            need = self.fraction * b.total * (1.0 - 1e-9)
             reached = int(torch.searchsorted(kept, torch.tensor([need], dtype=torch.float64)).item())
             ranks.append(min(reached + 1, len(b.energies)))
         return tuple(ranks)
