@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -233,7 +234,7 @@ def chunk_gear(tokens: np.ndarray, config: CDCConfig, segments: np.ndarray) -> n
 
 def chunk_fixed(tokens: np.ndarray, config: CDCConfig, segments: np.ndarray) -> np.ndarray:
     """Fixed ``avg_size`` chunks restarted at every segment bound (the baseline CDC must beat)."""
-    parts = [np.arange(s, e, config.avg_size) for s, e in zip(segments[:-1], segments[1:], strict=True)]
+    parts = [np.arange(s, e, config.avg_size) for s, e in pairwise(segments)]
     return np.concatenate([*parts, np.array([len(tokens)], dtype=np.int64)]).astype(np.int64)
 
 
@@ -272,4 +273,4 @@ def chunk_bounds(
 def spans(bounds: np.ndarray | Sequence[Any]) -> list[tuple[int, int]]:
     """[(start, end), ...] from bounds [n + 1]."""
     b = [int(x) for x in bounds]
-    return list(zip(b[:-1], b[1:], strict=True))
+    return list(pairwise(b))

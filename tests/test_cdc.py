@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def ref_chunk(tokens: np.ndarray, cfg: CDCConfig, forced: list[int]) -> list[int
     n = len(tokens)
     bounds = [0]
     seg = sorted({0, n, *forced})
-    for s, e in zip(seg[:-1], seg[1:], strict=True):
+    for s, e in pairwise(seg):
         pos = s
         while pos < e:
             if e - pos <= cfg.min_size:

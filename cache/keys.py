@@ -1,0 +1,200 @@
+"""Content keys: a strong hash of a typed namespace and a chunk's content.
+
+Every field goes into the hash as ``tag | length | bytes`` (one tag byte naming its type, an
+8-byte big-endian length), after a domain string naming the key kind, so no two different
+field sequences can produce the same byte stream: ``tokens [1, 2] + salt "3"`` and
+``tokens [1] + salt "23"`` hash different inputs, and tenants with different salts never share a
+key. The hash is BLAKE3 when the ``blake3`` package imports, BLAKE2b-256 otherwise; the name is
+part of every key's input, so the two never mix.
+
+Chained keys give prefix semantics: the key of chunk i covers its own key and the chained key
+before it, so equal chained keys mean equal whole prefixes.
+
+What this module does not do: store anything or verify hits (``cache/index.py`` keeps the token
+ids beside each key and compares them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+_blake3: Any
+try:
+    import blake3 as _blake3
+
+    HASH_NAME = "blake3"
+except ImportError:  # pragma: no cover - blake3 is a dependency; the fallback keeps keys strong
+    _blake3 = None
+    HASH_NAME = "blake2b-256"
+
+DIGEST_SIZE = 32
+_DOMAIN = b"kamera.key.v1"
+FieldValue = str | bytes | int | float | bool | None | tuple[Any, ...]
+
+
+def _hasher() -> Any:
+    return _blake3.blake3() if _blake3 is not None else hashlib.blake2b(digest_size=DIGEST_SIZE)
+
+
+def _frame(tag: bytes, payload: bytes) -> bytes:
+    return tag + struct.pack(">Q", len(payload)) + payload
+
+
+def encode_value(value: FieldValue) -> bytes:
+    """One value as ``tag | length | bytes``; tuples nest their encoded items.
+
+    Raises TypeError for other types (a silent ``str()`` would let different values collide).
+    """
+    if value is None:
+        return _frame(b"N", b"")
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return _frame(b"?", b"\x01" if value else b"\x00")
+    if isinstance(value, int):
+        return _frame(b"i", value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True))
+    if isinstance(value, float):
+        return _frame(b"f", struct.pack(">d", value))
+    if isinstance(value, str):
+        return _frame(b"s", value.encode("utf-8"))
+    if isinstance(value, bytes):
+        return _frame(b"b", value)
+    if isinstance(value, tuple):
+        return _frame(b"(", b"".join(encode_value(v) for v in value))
+    raise TypeError(f"cannot encode a key field of type {type(value).__name__}")
+
+
+def encode_fields(fields: Iterable[tuple[str, FieldValue]]) -> bytes:
+    """Named fields, each name and value framed, in the given order."""
+    return b"".join(encode_value(name) + encode_value(value) for name, value in fields)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What must match, besides content, for cached KV to be reusable.
+
+    model: fingerprint of the weights (e.g. a checkpoint hash); dtype: KV dtype name;
+    layout_version: version of the stored KV layout; tenant_salt: isolates tenants (keys of
+    different salts never coincide); adapter: LoRA/adapter name, "" for none.
+    """
+
+    model: str
+    dtype: str
+    layout_version: int = 1
+    tenant_salt: str = ""
+    adapter: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("namespace needs a model fingerprint")
+        if not self.dtype:
+            raise ValueError("namespace needs a dtype")
+        if self.layout_version < 0:
+            raise ValueError(f"layout_version must be >= 0, got {self.layout_version}")
+
+    @property
+    def encoded(self) -> bytes:
+        return encode_fields(
+            [
+                ("model", self.model),
+                ("dtype", self.dtype),
+                ("layout_version", self.layout_version),
+                ("tenant_salt", self.tenant_salt),
+                ("adapter", self.adapter),
+            ]
+        )
+
+
+@dataclass(frozen=True)
+class ContentKey:
+    """A 32-byte digest; equal keys mean equal (namespace, content). Usable as a dict key."""
+
+    digest: bytes
+    hex: str = field(compare=False, repr=False, default="")
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != DIGEST_SIZE:
+            raise ValueError(f"digest must be {DIGEST_SIZE} bytes, got {len(self.digest)}")
+        if not self.hex:
+            object.__setattr__(self, "hex", self.digest.hex())
+        elif self.hex != self.digest.hex():
+            raise ValueError("hex does not match digest")
+
+    @classmethod
+    def from_hex(cls, text: str) -> ContentKey:
+        return cls(bytes.fromhex(text))
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+def _key(kind: str, parts: Sequence[bytes]) -> ContentKey:
+    h = _hasher()
+    h.update(encode_value(_DOMAIN) + encode_value(HASH_NAME) + encode_value(kind))
+    for p in parts:
+        h.update(p)
+    return ContentKey(h.digest()[:DIGEST_SIZE])
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    """Token ids as little-endian int64 bytes ([T] -> 8T bytes)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens, dtype="<i8")
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    return arr.tobytes()
+
+
+def token_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> ContentKey:
+    """Key of a text chunk: namespace and its token ids [T]."""
+    return _key("tokens", [_frame(b"n", namespace.encoded), _frame(b"t", token_bytes(tokens))])
+
+
+def tensor_bytes(x: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor in C order (any dtype, bfloat16 included)."""
+    flat = x.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def image_key(
+    namespace: Namespace,
+    pixels: torch.Tensor,
+    mode: str,
+    preprocess: Mapping[str, FieldValue] | None = None,
+) -> ContentKey:
+    """Key of an image chunk: namespace, preprocessed pixels (bytes, shape, dtype), colour mode
+    (e.g. "RGB") and the preprocessing settings (sorted by name; values must be encodable)."""
+    settings = sorted((preprocess or {}).items())
+    meta = encode_fields([("shape", tuple(pixels.shape)), ("dtype", str(pixels.dtype)), ("mode", mode)])
+    return _key(
+        "image",
+        [
+            _frame(b"n", namespace.encoded),
+            _frame(b"m", meta),
+            _frame(b"p", encode_fields(settings)),
+            _frame(b"x", tensor_bytes(pixels)),
+        ],
+    )
+
+
+def chain_key(parent: ContentKey | None, child: ContentKey) -> ContentKey:
+    """Key of a prefix ending in ``child``: depends on every key before it through ``parent``."""
+    return _key(
+        "chain", [encode_value(None if parent is None else parent.digest), encode_value(child.digest)]
+    )
+
+
+def chained_keys(keys: Iterable[ContentKey]) -> list[ContentKey]:
+    """Prefix keys of a chunk sequence: out[i] covers keys[0..i]."""
+    out: list[ContentKey] = []
+    parent: ContentKey | None = None
+    for k in keys:
+        parent = chain_key(parent, k)
+        out.append(parent)
+    return out
