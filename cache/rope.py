@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from threading import Lock
 from typing import Literal
@@ -240,24 +241,65 @@ def _pair_views(x: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Te
     return x[..., 0:rd:2], x[..., 1:rd:2]
 
 
-def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """``(a, b) -> (a cos - b sin, b cos + a sin)`` on every pair; the kernel behind the rest.
-
-    x: ``[..., T, D]`` with ``D >= rotary_dim``; cos, sin: float32, broadcastable to
-    ``[..., T, rotary_dim // 2]``. Returns a new tensor of x's dtype; x is not modified.
-    """
-    if x.shape[-1] < spec.rotary_dim:
-        raise ValueError(f"feature dim {x.shape[-1]} is smaller than rotary_dim {spec.rotary_dim}")
-    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-    out = torch.empty_like(xf)
-    a, b = _pair_views(xf, spec)
+def _rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Four in-place passes over halves: no temporaries beyond the output."""
+    out = torch.empty_like(x)
+    a, b = _pair_views(x, spec)
     oa, ob = _pair_views(out, spec)
     torch.mul(a, cos, out=oa)
     oa.addcmul_(b, sin, value=-1.0)
     torch.mul(b, cos, out=ob)
     ob.addcmul_(a, sin)
     if spec.rotary_dim < x.shape[-1]:
-        out[..., spec.rotary_dim :] = xf[..., spec.rotary_dim :]
+        out[..., spec.rotary_dim :] = x[..., spec.rotary_dim :]
+    return out
+
+
+def _rotate_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, interleaved: bool) -> torch.Tensor:
+    """The same rotation written as one expression, for a compiler to fuse into a single pass."""
+    h = rd // 2
+    if interleaved:
+        pairs = x[..., :rd].unflatten(-1, (h, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    else:
+        a, b = x[..., :h], x[..., h:rd]
+        rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return torch.cat((rot, x[..., rd:]), dim=-1) if rd < x.shape[-1] else rot
+
+
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def _rotate_compiled(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """One fused read-rotate-write pass (Inductor). The first call per process compiles."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_rotate_math, dynamic=True))
+    return _COMPILED[0](x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved")
+
+
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RopeSpec], torch.Tensor]] = {
+    "eager": _rotate_eager,
+    "compiled": _rotate_compiled,
+}
+
+
+def apply_rotation(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, kernel: str = "eager"
+) -> torch.Tensor:
+    """``(a, b) -> (a cos - b sin, b cos + a sin)`` on every pair; the kernel behind the rest.
+
+    x: ``[..., T, D]`` with ``D >= rotary_dim``; cos, sin: float32, broadcastable to
+    ``[..., T, rotary_dim // 2]``. ``kernel`` names an entry of :data:`KERNELS`: ``eager``
+    (plain torch ops, no warm-up) or ``compiled`` (a fused single pass, compiled on first use).
+    Returns a new tensor of x's dtype; x is not modified.
+    """
+    if x.shape[-1] < spec.rotary_dim:
+        raise ValueError(f"feature dim {x.shape[-1]} is smaller than rotary_dim {spec.rotary_dim}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown rotation kernel {kernel!r}; choose from {sorted(KERNELS)}")
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    out = KERNELS[kernel](xf, cos, sin, spec)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
@@ -269,13 +311,13 @@ def _check_tokens(x: torch.Tensor, positions: torch.Tensor) -> None:
         )
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+def rotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec, kernel: str = "eager") -> torch.Tensor:
     """Apply RoPE: pre-RoPE ``x [..., T, D]`` to the frame of ``positions`` (``[T]`` or ``[3, T]``)."""
     _check_tokens(x, positions)
     cos, sin = cos_sin(positions.to(x.device), spec)
     if spec.attention_scaling != 1.0:
         cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
-    return apply_rotation(x, cos, sin, spec)
+    return apply_rotation(x, cos, sin, spec, kernel)
 
 
 def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
@@ -286,10 +328,10 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.
     return apply_rotation(x, cos * inv, sin * -inv, spec)
 
 
-def relocate(x: torch.Tensor, delta: int, spec: RopeSpec) -> torch.Tensor:
+def relocate(x: torch.Tensor, delta: int, spec: RopeSpec, kernel: str = "eager") -> torch.Tensor:
     """Move rotated keys ``[..., T, D]`` by ``delta`` positions (all M-RoPE axes alike).
 
     One angle per frequency for every token: ``R(p + delta) = R(delta) R(p)``.
     """
     a = torch.tensor(spec.inv_freq, dtype=torch.float64, device=x.device) * float(delta)
-    return apply_rotation(x, a.cos().to(torch.float32), a.sin().to(torch.float32), spec)
+    return apply_rotation(x, a.cos().to(torch.float32), a.sin().to(torch.float32), spec, kernel)

@@ -196,3 +196,19 @@ def test_mrope_matches_qwen_vl_recomposition(interleaved: bool) -> None:
     k = torch.randn(1, 2, 10, 32)
     _, hf_k = apply_rotary_pos_emb(k, k, emb.cos(), emb.sin())
     assert max_rel(rotate(k, pos, spec), hf_k) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "mrope"])
+def test_compiled_kernel_matches_eager(name: str) -> None:
+    spec = SPECS[name]
+    x = torch.randn(2, 3, 40, 64)
+    pos = _positions(spec, 40, 11)
+    eager = rotate(x, pos, spec)
+    compiled = rotate(x, pos, spec, kernel="compiled")
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match="kernel"):
+        rotate(torch.randn(1, 4, 64), torch.arange(4), SPECS["half"], kernel="fast")
