@@ -1,0 +1,148 @@
+"""The reuse plan of a prompt: which spans come from the exact prefix, which are found by
+content and moved, and which must be prefilled.
+
+A prompt is cut at its structural boundaries and, inside them, by content-defined chunking.
+The longest stored exact prefix is reused as it is (``prefix-hit``); every chunk after it is
+looked up by its content key and, on a verified hit, relocated from where it was stored
+(``relocated-hit``, shift ``start - source_start``); the rest are misses. A chunk that straddles
+the end of the exact prefix is split there, so every planned span is either fully inside the
+prefix or fully after it. ``commit`` records a prefilled prompt so its chunks hit next time.
+
+What this module does not do: run a model, hold KV tensors, or decide what to evict; payloads
+are opaque handles the caller gives (e.g. a store key for the prompt's KV).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from cache.cdc import CDCConfig, as_token_array, chunk_bounds, spans
+from cache.index import ContentIndex, RadixKey, RadixTree, Segment
+from cache.keys import ContentKey, Namespace, token_key
+
+Status = Literal["prefix-hit", "relocated-hit", "miss"]
+STATUSES: tuple[Status, ...] = ("prefix-hit", "relocated-hit", "miss")
+
+
+class PlannedChunk(NamedTuple):
+    start: int  # span [start, end) in the prompt
+    end: int
+    key: ContentKey  # content key of exactly these tokens
+    status: Status
+    source_start: int | None  # where the reused tokens sat in ``payload``'s sequence
+    payload: object  # handle holding a relocated hit's KV; None otherwise (see Plan.prefix)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def delta(self) -> int:
+        """Positions to move the reused KV by (0 for a prefix hit; 0 also for a miss)."""
+        return 0 if self.source_start is None else self.start - self.source_start
+
+
+class Plan(NamedTuple):
+    chunks: tuple[PlannedChunk, ...]
+    prefix_len: int
+    n_tokens: int
+    prefix: tuple[Segment, ...]  # where the KV of tokens [0, prefix_len) lies, in order
+
+    def tokens_by_status(self) -> dict[Status, int]:
+        out: dict[Status, int] = dict.fromkeys(STATUSES, 0)
+        for c in self.chunks:
+            out[c.status] += c.n_tokens
+        return out
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(c.n_tokens for c in self.chunks if c.status != "miss")
+
+
+class CommitResult(NamedTuple):
+    new_prefix_tokens: int  # tokens added to the radix tree
+    new_chunks: int  # entries added to the content index
+    collisions: int  # chunks refused because their key held other tokens
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Chunking strategy and sizes, and how the content index verifies hits."""
+
+    chunker: str = "gear"
+    cdc: CDCConfig = field(default_factory=CDCConfig)
+    verify: Literal["tokens", "fingerprint"] = "tokens"
+    eviction: str = "lru"
+
+
+class Planner:
+    """Plans and commits prompts of one namespace against a radix tree and a content index.
+
+    ``plan`` only reads (and refreshes access times); ``commit`` writes. The two indexes may be
+    shared by planners of other namespaces: keys and radix roots never mix across namespaces.
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        config: PlannerConfig | None = None,
+        radix: RadixTree | None = None,
+        index: ContentIndex | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.config = config or PlannerConfig()
+        self.radix = radix if radix is not None else RadixTree(self.config.eviction)
+        self.index = index if index is not None else ContentIndex(self.config.verify)
+        self._root_key = namespace.encoded
+
+    def chunk_spans(self, tokens: np.ndarray, boundaries: Iterable[int] = ()) -> list[tuple[int, int]]:
+        """[(start, end), ...] of the chunks of ``tokens`` [T]."""
+        return spans(chunk_bounds(tokens, self.config.cdc, boundaries, self.config.chunker))
+
+    def plan(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, boundaries: Iterable[int] = ()) -> Plan:
+        """Reuse plan for ``tokens`` [T] with structural ``boundaries`` (offsets in [0, T])."""
+        ids = as_token_array(tokens)
+        match = self.radix.match_prefix(RadixKey(ids, self._root_key))
+        p = match.matched_len
+        chunks: list[PlannedChunk] = []
+        for s, e in self.chunk_spans(ids, boundaries):
+            pieces = [(s, e)] if e <= p or s >= p else [(s, p), (p, e)]
+            for a, b in pieces:
+                span = ids[a:b]
+                key = token_key(self.namespace, span)
+                if b <= p:
+                    chunks.append(PlannedChunk(a, b, key, "prefix-hit", a, None))
+                    continue
+                hit = self.index.lookup(key, span)
+                if hit.entry is not None:
+                    e_ = hit.entry
+                    chunks.append(PlannedChunk(a, b, key, "relocated-hit", e_.source_start, e_.payload))
+                else:
+                    chunks.append(PlannedChunk(a, b, key, "miss", None, None))
+        return Plan(tuple(chunks), p, len(ids), match.segments)
+
+    def commit(
+        self, plan: Plan, tokens: Sequence[int] | np.ndarray | torch.Tensor, payload: object
+    ) -> CommitResult:
+        """Record that ``payload`` now holds the KV of all of ``tokens`` (the planned prompt).
+
+        Misses and prefix pieces become content entries at their positions in ``payload``;
+        relocated hits keep their existing entries.
+        """
+        ids = as_token_array(tokens)
+        if len(ids) != plan.n_tokens:
+            raise ValueError(f"plan covers {plan.n_tokens} tokens, got {len(ids)}")
+        ins = self.radix.insert(RadixKey(ids, self._root_key), payload)
+        new, collisions = 0, 0
+        for c in plan.chunks:
+            if c.status == "relocated-hit":
+                continue
+            r = self.index.insert(c.key, ids[c.start : c.end], payload, c.start)
+            new += r.status == "miss"
+            collisions += r.status == "collision"
+        return CommitResult(ins.new_tokens, new, collisions)
