@@ -1,0 +1,27 @@
+"""``kamera bench NAME``: each benchmark is a module with ``main(argv) -> int``; JSON out with --json."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "relocation": ("bench.relocation", "exactness per family; rotation throughput against a copy"),
+    "fidelity": ("bench.fidelity", "patches against blind reuse, CacheBlend and EPIC on multi-hop QA"),
+    "ttft": ("bench.ttft", "time to first token of an agent session: re-prefill, prefix cache, Kamera"),
+    "traces": ("bench.traces", "content-addressed reuse on real agent traces under context policies"),
+    "video-multihop": ("bench.video_multihop", "single- and multi-hop accuracy on the video world"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in BENCHMARKS:
+        width = max(map(len, BENCHMARKS))
+        print("usage: kamera bench NAME [--json PATH] ...\n\nbenchmarks:")
+        for name, (_, doc) in BENCHMARKS.items():
+            print(f"  {name.ljust(width)}  {doc}")
+        return 0 if not args or args[0] in ("-h", "--help") else 2
+    code: int = importlib.import_module(BENCHMARKS[args[0]][0]).main(args[1:])
+    return code
