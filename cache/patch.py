@@ -11,8 +11,9 @@ singular values), ``U`` otherwise.
 side (``F = H_k D_k + H_v D_v``): the tokens factor ``U``, the expensive one since ``T >> F``,
 is shared by keys and values. At equal bytes it wins on real SmolLM2-135M Δs (3 MuSiQue dev
 pairs, 256 + 256 tokens, fp16, 614 KB per chunk): relative residual energy 0.206 joint vs 0.225
-split with the budget strategy, 0.257 vs 0.295 at fixed rank. ``"split"`` fits keys and values apart (two blocks per layer, block
-``2l`` keys, ``2l + 1`` values). Ranks are chosen per block by a strategy from ``cache/rank.py``.
+split with the budget strategy, 0.257 vs 0.295 at fixed rank. ``"split"`` fits keys and
+values apart (two blocks per layer, block ``2l`` keys, ``2l + 1`` values). Ranks are chosen
+per block by a strategy from ``cache/rank.py``.
 
 Fitting forms the smaller Gram matrix (``F x F`` when ``F <= T``) once per layer, batched over
 layers, and takes its leading eigenvectors: exactly (``eigh``) or by randomized subspace
