@@ -59,8 +59,8 @@ def test_probe_reads_metadata(videos: dict[str, Path]) -> None:
     assert info.codec == "h264"
 
 
-@pytest.mark.parametrize(("name", "fps", "expected"), [("1min", 0.5, 30), ("10min", 0.5, 300),
-                                                       ("10min", 2.0, 768)])
+@pytest.mark.parametrize(("name", "fps", "expected"), [
+    ("1min", 0.5, 30), ("10min", 0.5, 300), pytest.param("10min", 2.0, 768, marks=pytest.mark.slow)])
 def test_fps_sampling_count_indices_and_timestamps(videos: dict[str, Path], name: str, fps: float,
                                                    expected: int) -> None:
     frames = list(iter_frames(videos[name], SamplingConfig(fps=fps)))
@@ -131,6 +131,7 @@ def _decode_rss(path: Path, mode: str = "stream") -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc/self/statm (Linux)")
 def test_peak_rss_flat_on_long_video(videos: dict[str, Path]) -> None:
     short, long = _decode_rss(videos["1min"]), _decode_rss(videos["10min"])
