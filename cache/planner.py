@@ -6,7 +6,9 @@ The longest stored exact prefix is reused as it is (``prefix-hit``); every chunk
 looked up by its content key and, on a verified hit, relocated from where it was stored
 (``relocated-hit``, shift ``start - source_start``); the rest are misses. A chunk that straddles
 the end of the exact prefix is split there, so every planned span is either fully inside the
-prefix or fully after it. ``commit`` records a prefilled prompt so its chunks hit next time.
+prefix or fully after it; its tail is a relocated hit when the whole chunk is found by content
+(the tail of the stored chunk), else it is looked up on its own. ``commit`` records a prefilled
+prompt so its chunks hit next time.
 
 What this module does not do: run a model, hold KV tensors, or decide what to evict; payloads
 are opaque handles the caller gives (e.g. a store key for the prompt's KV).
@@ -111,20 +113,28 @@ class Planner:
         p = match.matched_len
         chunks: list[PlannedChunk] = []
         for s, e in self.chunk_spans(ids, boundaries):
-            pieces = [(s, e)] if e <= p or s >= p else [(s, p), (p, e)]
-            for a, b in pieces:
-                span = ids[a:b]
-                key = token_key(self.namespace, span)
-                if b <= p:
-                    chunks.append(PlannedChunk(a, b, key, "prefix-hit", a, None))
+            if e <= p:
+                key = token_key(self.namespace, ids[s:e])
+                chunks.append(PlannedChunk(s, e, key, "prefix-hit", s, None))
+                continue
+            if s < p:  # straddles the prefix end: keep the prefix part, find the rest in the whole chunk
+                whole = self.index.lookup(token_key(self.namespace, ids[s:e]), ids[s:e]).entry
+                chunks.append(PlannedChunk(s, p, token_key(self.namespace, ids[s:p]), "prefix-hit", s, None))
+                if whole is not None:
+                    key = token_key(self.namespace, ids[p:e])
+                    src = whole.source_start + p - s
+                    chunks.append(PlannedChunk(p, e, key, "relocated-hit", src, whole.payload))
                     continue
-                hit = self.index.lookup(key, span)
-                if hit.entry is not None:
-                    e_ = hit.entry
-                    chunks.append(PlannedChunk(a, b, key, "relocated-hit", e_.source_start, e_.payload))
-                else:
-                    chunks.append(PlannedChunk(a, b, key, "miss", None, None))
+                s = p
+            chunks.append(self._lookup(ids, s, e))
         return Plan(tuple(chunks), p, len(ids), match.segments)
+
+    def _lookup(self, ids: np.ndarray, s: int, e: int) -> PlannedChunk:
+        key = token_key(self.namespace, ids[s:e])
+        entry = self.index.lookup(key, ids[s:e]).entry
+        if entry is None:
+            return PlannedChunk(s, e, key, "miss", None, None)
+        return PlannedChunk(s, e, key, "relocated-hit", entry.source_start, entry.payload)
 
     def commit(
         self, plan: Plan, tokens: Sequence[int] | np.ndarray | torch.Tensor, payload: object
