@@ -217,3 +217,21 @@ def test_planner_isolates_tenants_and_refuses_collisions() -> None:
     with pytest.raises(ValueError, match="plan covers"):
         b.commit(plan_b, tok[:10], "B")
     assert isinstance(first.key, ContentKey)
+
+
+def test_planner_straddling_chunk_tail_is_found_inside_the_stored_chunk() -> None:
+    rng = np.random.default_rng(4)
+    sys, m1, m2 = messages(rng, [100, 130, 170])
+    m2[:5] = m1[:5]  # a shared message header: the exact prefix runs 5 tokens into m2
+    pl = Planner(NS, CFG)
+    tok_a, st_a = join([sys, m1, m2])
+    pl.commit(pl.plan(tok_a, st_a), tok_a, "A")
+    tok_b, st_b = join([sys, m2])
+    plan = pl.plan(tok_b, st_b)
+    assert plan.prefix_len == 105
+    assert plan.tokens_by_status() == {"prefix-hit": 105, "relocated-hit": 170 - 5, "miss": 0}
+    tail = next(c for c in plan.chunks if c.start == 105)
+    assert tail.status == "relocated-hit"
+    assert tail.source_start == 230 + 5
+    assert tail.delta == -130
+    assert tail.key == token_key(NS, tok_b[105 : tail.end])
