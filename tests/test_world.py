@@ -1,0 +1,228 @@
+"""Tests for the synthetic video world, the batch builder and the shipped world_vl checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from agent.models import WORLD_VL_DIR
+from demos.world import (
+    ANSWER_WORDS,
+    BACKGROUND,
+    COLOURS,
+    COUNTS,
+    SLOTS,
+    Episode,
+    ObjectState,
+    WorldConfig,
+    episode_seed,
+    make_episode,
+    make_split,
+    write_video,
+)
+
+
+def _fingerprint(ep: Episode) -> str:
+    h = hashlib.sha256()
+    for f in ep.frames:
+        h.update(f.tobytes())
+    for q in ep.questions:
+        h.update(f"{q.text}|{q.answer}|{q.kind}|{q.frames_needed}".encode())
+    return h.hexdigest()
+
+
+def test_same_seed_same_episode() -> None:
+    for i in range(5):
+        a = make_episode(episode_seed("train", i))
+        b = make_episode(episode_seed("train", i))
+        assert _fingerprint(a) == _fingerprint(b)
+        assert a.states == b.states
+        assert a.events == b.events
+    assert _fingerprint(make_episode("a")) != _fingerprint(make_episode("b"))
+
+
+def test_splits_are_disjoint() -> None:
+    prints = {s: {_fingerprint(ep) for ep in make_split(s, 60)} for s in ("train", "val", "test")}
+    assert all(len(p) == 60 for p in prints.values())
+    assert not prints["train"] & prints["val"]
+    assert not prints["train"] & prints["test"]
+    assert not prints["val"] & prints["test"]
+    seeds = {episode_seed(s, i) for s in ("train", "val", "test") for i in range(1000)}
+    assert len(seeds) == 3000
+
+
+def test_bad_config_and_seed_rejected() -> None:
+    with pytest.raises(ValueError, match="multiple of 28"):
+        WorldConfig(size=60)
+    with pytest.raises(ValueError, match="n_frames"):
+        WorldConfig(n_frames=1)
+    with pytest.raises(ValueError, match="split"):
+        episode_seed("dev", 0)
+
+
+def _slot_box(slot: str, size: int) -> tuple[int, int, int, int]:
+    half = size // 2
+    col, row = SLOTS.index(slot) % 2, SLOTS.index(slot) // 2
+    return col * half, row * half, (col + 1) * half, (row + 1) * half
+
+
+@pytest.mark.parametrize("size", [56, 112])
+def test_pixels_show_the_state(size: int) -> None:
+    """Each occupied slot is mostly its object's colour; empty slots are background only."""
+    cfg = WorldConfig(size=size)
+    for i in range(20):
+        ep = make_episode(episode_seed("val", i), cfg)
+        assert len(ep.frames) == cfg.n_frames
+        for frame, state in zip(ep.frames, ep.states, strict=True):
+            px = np.asarray(frame)
+            assert px.shape == (size, size, 3)
+            by_slot = {o.slot: o for o in state}
+            for slot in SLOTS:
+                x0, y0, x1, y1 = _slot_box(slot, size)
+                cell = px[y0:y1, x0:x1].reshape(-1, 3)
+                if slot not in by_slot:
+                    assert (cell == BACKGROUND).all()
+                    continue
+                share = {c: (cell == rgb).all(axis=1).mean() for c, rgb in COLOURS.items()}
+                assert max(share, key=share.__getitem__) == by_slot[slot].colour
+                assert share[by_slot[slot].colour] > 0.2
+
+
+def _obj(state: tuple[ObjectState, ...], shape: str) -> ObjectState:
+    return next(o for o in state if o.shape == shape)
+
+
+def _check_answer(ep: Episode, text: str, template: str) -> str:
+    """Recompute an answer from the per-frame states alone (not from the event log)."""
+    s = ep.states
+    changes = [
+        (k, a.shape, b_)
+        for k in range(1, len(s))
+        for a in s[k - 1]
+        for b_ in s[k]
+        if a.shape == b_.shape and (a.slot != b_.slot or a.colour != b_.colour)
+    ]
+    moves = [(k, shape) for k, shape, _ in changes if _obj(s[k - 1], shape).slot != _obj(s[k], shape).slot]
+    if template == "colour_at":
+        shape, k = re.fullmatch(r"what colour is the (\w+) in frame (\d+) \?", text).groups()  # type: ignore[union-attr]
+        return _obj(s[int(k) - 1], shape).colour
+    if template == "digit_at":
+        shape, k = re.fullmatch(r"what digit is on the (\w+) in frame (\d+) \?", text).groups()  # type: ignore[union-attr]
+        return _obj(s[int(k) - 1], shape).digit
+    if template == "shape_at":
+        slot, k = re.fullmatch(r"what shape is at the ([\w-]+) in frame (\d+) \?", text).groups()  # type: ignore[union-attr]
+        return next(o.shape for o in s[int(k) - 1] if o.slot == slot)
+    if template == "count_at":
+        (k,) = re.fullmatch(r"how many objects are in frame (\d+) \?", text).groups()  # type: ignore[union-attr]
+        return COUNTS[len(s[int(k) - 1]) - 1]
+    if template == "moved_last":
+        return moves[-1][1]
+    if template == "digit_moved_last":
+        return _obj(s[-1], moves[-1][1]).digit
+    if template == "colour_before_change":
+        (shape,) = re.fullmatch(r"what colour was the (\w+) before it changed colour \?", text).groups()  # type: ignore[union-attr]
+        colours = [_obj(st, shape).colour for st in s if any(o.shape == shape for o in st)]
+        changed = [colours[i] for i in range(1, len(colours)) if colours[i] != colours[i - 1]]
+        assert len(changed) == 1
+        return colours[0]
+    if template == "where_before_move":
+        (shape,) = re.fullmatch(r"where was the (\w+) before it moved \?", text).groups()  # type: ignore[union-attr]
+        slots = [_obj(st, shape).slot for st in s if any(o.shape == shape for o in st)]
+        assert sum(slots[i] != slots[i - 1] for i in range(1, len(slots))) == 1
+        return slots[0]
+    if template == "colour_when_appeared":
+        shape, new = re.fullmatch(r"what colour was the (\w+) when the (\w+) appeared \?", text).groups()  # type: ignore[union-attr]
+        k = next(i for i, st in enumerate(s) if any(o.shape == new for o in st))
+        assert k > 0
+        return _obj(s[k], shape).colour
+    raise AssertionError(template)
+
+
+def test_answers_match_the_states() -> None:
+    seen: set[str] = set()
+    for i in range(150):
+        ep = make_episode(episode_seed("test", i))
+        for q in ep.questions:
+            assert q.answer in ANSWER_WORDS
+            assert all(1 <= k <= len(ep.frames) for k in q.frames_needed)
+            assert _check_answer(ep, q.text, q.template) == q.answer, (ep.seed, q)
+            seen.add(q.template)
+        kinds = [q.kind for q in ep.questions]
+        assert kinds.count("single") == 4
+    assert len(seen) == 9
+
+
+def test_video_round_trip(tmp_path) -> None:
+    av = pytest.importorskip("av")
+    eps = make_split("val", 2)
+    path = write_video(eps, tmp_path / "world.mp4", fps=1)
+    with av.open(str(path)) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 12
+    assert [round(float(f.time)) for f in frames] == list(range(12))
+    first = np.asarray(frames[0].to_image(), dtype=np.int16)
+    assert np.abs(first - np.asarray(eps[0].frames[0], dtype=np.int16)).mean() < 12
+
+
+def test_fast_batch_matches_processor() -> None:
+    from bench.train_world_model import build_processor, chat, train_batch
+
+    processor = build_processor(WorldConfig())
+    eps = make_split("train", 3)
+    batch = train_batch(eps, processor, random.Random(0))
+    texts, rng = [], random.Random(0)
+    for ep in eps:
+        qs = list(ep.questions)
+        rng.shuffle(qs)
+        texts.append(processor.apply_chat_template(chat(ep, qs, with_answers=True), tokenize=False))
+    processor.tokenizer.padding_side = "right"
+    ref = processor(
+        text=texts, images=[f for ep in eps for f in ep.frames], return_tensors="pt", padding=True
+    )
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw"):
+        assert torch.equal(ref[key], batch[key]), key
+    torch.testing.assert_close(ref["pixel_values"], batch["pixel_values"], atol=1e-5, rtol=0)
+    tok = processor.tokenizer
+    answers = [tok.decode(t) for t in batch["labels"][0][batch["labels"][0] != -100].tolist()]
+    assert answers[1::2] == ["<|im_end|>"] * len(eps[0].questions)
+    assert sorted(answers[0::2]) == sorted(q.answer for q in eps[0].questions)
+
+
+needs_checkpoint = pytest.mark.skipif(
+    not (WORLD_VL_DIR / "model.safetensors").is_file(), reason="world_vl checkpoint not present"
+)
+
+
+@needs_checkpoint
+def test_checkpoint_loads_and_answers() -> None:
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(WORLD_VL_DIR)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(WORLD_VL_DIR).eval()
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+    assert processor.tokenizer.convert_tokens_to_ids("<|vision_start|>") == model.config.vision_start_token_id
+    ep = make_episode(episode_seed("test", 0))
+    hits = []
+    for q in ep.questions:
+        content: list[dict[str, str]] = []
+        for k in range(len(ep.frames)):
+            content += [{"type": "text", "text": f"frame {k + 1}"}, {"type": "image"}]
+        content.append({"type": "text", "text": q.text})
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        inputs = processor(text=[text], images=ep.frames, return_tensors="pt")
+        per_frame = (WorldConfig().size // 28) ** 2
+        assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == per_frame * len(ep.frames)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+        hits.append(
+            processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            == q.answer
+        )
+    assert sum(hits) >= len(hits) - 1, hits
