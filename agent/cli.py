@@ -14,7 +14,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demos.reorder", "encode real text chunks once, reorder them by rotation alone, answer"),
     "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, video-multihop"),
     "serve": ("agent.server.cli", "OpenAI-compatible HTTP endpoint with agent sessions"),
-    "video-qa": ("demos.video_qa", "answer questions over a long video whose frames slide through the window"),
+    "video-qa": (
+        "demos.video_qa",
+        "answer questions over a long video whose frames slide through the window",
+    ),
     "web-agent": ("demos.web_agent", "act on a web page from screenshots, step after step"),
     "train-demo-model": ("bench.train_world_model", "train the embedded vision-language model"),
 }

@@ -126,6 +126,18 @@ class ModelAdapter(ABC):
     def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
         """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
 
+    @abstractmethod
+    def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
+        """The KV of ``chunk``, already the last tokens of ``cache`` at ``start``, pre-RoPE."""
+
+    @abstractmethod
+    def cache_length(self, cache: Any) -> int:
+        """Tokens held by a model cache."""
+
+    @abstractmethod
+    def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
+        """Content key (hex) of a chunk under this model's namespace and a tenant's salt."""
+
     def encode(self, chunk: ChunkInput) -> ChunkKV:
         """Canonical KV: the chunk on its own, ``KV(B|∅)``."""
         return self.prefill(chunk, self.empty_cache(), 0).kv
@@ -143,7 +155,12 @@ class ModelAdapter(ABC):
         """Token ids that end a generation."""
 
     def generate(
-        self, prompt: ChunkInput, cache: Any, start: int, max_new_tokens: int, first_logits: torch.Tensor | None = None
+        self,
+        prompt: ChunkInput,
+        cache: Any,
+        start: int,
+        max_new_tokens: int,
+        first_logits: torch.Tensor | None = None,
     ) -> Generation:
         """Greedy decoding after ``prompt`` placed at ``start`` on ``cache`` (which grows).
 

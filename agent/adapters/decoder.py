@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, ModelInfo, Prefill, TextInput
+from cache.keys import Namespace, image_key, token_key
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
 
@@ -67,7 +68,9 @@ class DecoderAdapter(ModelAdapter):
         family: Family = "mla" if mla else "gqa"
         heads = cfg.num_attention_heads
         kv_heads = 1 if mla else (getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = cfg.qk_rope_head_dim if mla else (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        head_dim = (
+            cfg.qk_rope_head_dim if mla else (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        )
         self.spec = self._rope_spec(cfg)
         self.info = ModelInfo(
             name=name,
@@ -118,7 +121,37 @@ class DecoderAdapter(ModelAdapter):
             cache.layers[layer].update(key, value)
         return cache
 
-    def _extract(self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int) -> ChunkKV:
+    def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
+        """The KV of ``chunk``, the last tokens in ``cache``, placed at ``start`` (pre-RoPE)."""
+        rel, extent = self.chunk_positions(chunk)
+        return self._extract(cache, chunk.n_tokens, (rel + start).to(self.device), rel, extent)
+
+    def cache_length(self, cache: Any) -> int:
+        return int(cache.get_seq_length())
+
+    def namespace(self, tenant_salt: str = "") -> Namespace:
+        return Namespace(
+            model=self.info.fingerprint,
+            dtype=str(self.info.dtype).removeprefix("torch."),
+            tenant_salt=tenant_salt,
+        )
+
+    def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
+        """Content key of a chunk under this model's namespace (and a tenant's salt)."""
+        if isinstance(chunk, ImageInput):
+            return str(
+                image_key(
+                    self.namespace(tenant_salt),
+                    chunk.pixel_values,
+                    "RGB",
+                    {"grid_thw": chunk.grid_thw, "image_key": chunk.content_key},
+                )
+            )
+        return str(token_key(self.namespace(tenant_salt), chunk.ids))
+
+    def _extract(
+        self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int
+    ) -> ChunkKV:
         keys, values = [], []
         for layer in cache.layers[: self.info.n_layers]:
             key, value = layer.keys[0, :, -n_new:], layer.values[0, :, -n_new:]
@@ -144,7 +177,9 @@ class DecoderAdapter(ModelAdapter):
         return self.model.get_input_embeddings()(chunk.ids.to(self.device)[None])
 
     def _run(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.base(inputs_embeds=embeds, position_ids=self._position_ids(positions), cache=cache, use_cache=True)
+        out = self.base(
+            inputs_embeds=embeds, position_ids=self._position_ids(positions), cache=cache, use_cache=True
+        )
         return self.lm_head(out.last_hidden_state)[0].float()
 
     @torch.inference_mode()

@@ -102,7 +102,9 @@ def resolve(model: str | None) -> Path:
     )
 
 
-def load_adapter(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ModelAdapter:
+def load_adapter(
+    model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> ModelAdapter:
     """Load a model and wrap it in the adapter for its architecture."""
     path = resolve(model)
     return _load(str(path), dtype, device)

@@ -27,7 +27,15 @@ from agent.adapters.base import ChunkInput, ImageInput, TextInput
 from agent.adapters.decoder import DecoderAdapter, rope_spec_from_module
 from cache.rope import RopeSpec
 
-PREPROCESS_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
+PREPROCESS_KEYS = (
+    "min_pixels",
+    "max_pixels",
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "image_mean",
+    "image_std",
+)
 
 
 def tiny_processor() -> Any:
@@ -58,7 +66,9 @@ class QwenVLAdapter(DecoderAdapter):
 
     def _rope_spec(self, text_config: Any) -> RopeSpec:
         section = tuple(text_config.rope_parameters.get("mrope_section", (16, 24, 24)))
-        return rope_spec_from_module(self.model.model.language_model.rotary_emb, "qwen2_5_vl", mrope_section=section)
+        return rope_spec_from_module(
+            self.model.model.language_model.rotary_emb, "qwen2_5_vl", mrope_section=section
+        )
 
     # --- inputs -----------------------------------------------------------------------------
 
@@ -71,7 +81,17 @@ class QwenVLAdapter(DecoderAdapter):
         ids = torch.tensor([self.vision_start_id] + [self.image_token_id] * n + [self.vision_end_id])
         settings = {k: getattr(self.image_processor, k, None) for k in PREPROCESS_KEYS}
         h = hashlib.blake2b(digest_size=20)
-        h.update(repr((self.info.fingerprint, grid, tuple(pixels.shape), str(pixels.dtype), sorted(settings.items()))).encode())
+        h.update(
+            repr(
+                (
+                    self.info.fingerprint,
+                    grid,
+                    tuple(pixels.shape),
+                    str(pixels.dtype),
+                    sorted(settings.items()),
+                )
+            ).encode()
+        )
         h.update(pixels.contiguous().numpy().tobytes())
         return ImageInput(pixels, (grid[0], grid[1], grid[2]), ids, h.hexdigest(), {"size": image.size})
 

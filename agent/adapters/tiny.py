@@ -23,9 +23,17 @@ def _llama(**kw: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=kw.pop("kv_heads", 2), head_dim=16,
-        max_position_embeddings=65536, eos_token_id=1, bos_token_id=0, **kw,
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=kw.pop("kv_heads", 2),
+        head_dim=16,
+        max_position_embeddings=65536,
+        eos_token_id=1,
+        bos_token_id=0,
+        **kw,
     )
     return LlamaForCausalLM(cfg)
 
@@ -34,8 +42,14 @@ def _neox() -> Any:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-        num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=65536, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        rotary_pct=0.25,
+        max_position_embeddings=65536,
+        eos_token_id=1,
         bos_token_id=0,
     )
     return GPTNeoXForCausalLM(cfg)
@@ -47,16 +61,36 @@ def _deepseek(yarn: bool) -> Any:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if yarn:
         rope = {
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-            "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
-            "mscale": 1.0, "mscale_all_dim": 0.5,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
         }
     cfg = DeepseekV2Config(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=192, moe_intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-        q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        max_position_embeddings=4096 if yarn else 65536, rope_parameters=rope, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=4096 if yarn else 65536,
+        rope_parameters=rope,
+        eos_token_id=1,
         bos_token_id=0,
     )
     return DeepseekV2ForCausalLM(cfg)
@@ -66,21 +100,39 @@ def qwen2_5_vl_config(**text: Any) -> Any:
     from transformers import Qwen2_5_VLConfig
 
     text_config = {
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 65536,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 65536,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-        "eos_token_id": 1, "bos_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 0,
         **text,
     }
     vision_config = {
-        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
         "fullatt_block_indexes": [1],
     }
     return Qwen2_5_VLConfig(
-        text_config=text_config, vision_config=vision_config, image_token_id=VOCAB - 3,
-        video_token_id=VOCAB - 4, vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
-        eos_token_id=1, bos_token_id=0,
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=VOCAB - 3,
+        video_token_id=VOCAB - 4,
+        vision_start_token_id=VOCAB - 2,
+        vision_end_token_id=VOCAB - 1,
+        eos_token_id=1,
+        bos_token_id=0,
     )
 
 

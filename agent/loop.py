@@ -1,0 +1,238 @@
+"""The agent loop: ``step(observations, instruction) -> StepResult`` over a sliding window.
+
+A step appends each observation (text, an image, a group of video frames) to the window, each
+prefilled in context (images reuse their vision features by content), prefills the instruction,
+generates, parses the output with a policy, and records the exchange as a chunk of the window
+straight from the model cache (no second prefill). Canonical KV and patches of the new chunks
+are fitted after the answer, off the path to the first token.
+
+Not here: window mechanics (``agent/context.py``), how the model holds KV (``agent/adapters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+from PIL import Image
+
+from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.context import ContextManager, WindowConfig
+from agent.policies import Policy, make_policy
+from cache.store import StoreConfig, TieredStore
+
+
+@dataclass(frozen=True)
+class TextObservation:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImageObservation:
+    """A screenshot or a picture; ``label`` is shown before it (e.g. a URL or a caption)."""
+
+    image: Image.Image
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class FramesObservation:
+    """A group of video frames with their timestamps in seconds; each frame is its own chunk."""
+
+    frames: Sequence[Image.Image]
+    timestamps: Sequence[float]
+
+    def __post_init__(self) -> None:
+        if len(self.frames) != len(self.timestamps):
+            raise ValueError("one timestamp per frame")
+
+
+Observation = TextObservation | ImageObservation | FramesObservation
+
+
+class ChatFormat(Protocol):
+    """How text turns are laid out for a model (its chat template, applied piecewise)."""
+
+    def system(self, text: str) -> str: ...
+    def user_text(self, text: str) -> str: ...
+    def instruction(self, text: str) -> str: ...
+    def end_of_turn(self) -> str: ...
+
+
+class ChatML:
+    """``<|im_start|>role\\n...<|im_end|>`` (SmolLM2, Qwen). Observations sit in user turns."""
+
+    def system(self, text: str) -> str:
+        return f"<|im_start|>system\n{text}<|im_end|>\n"
+
+    def user_text(self, text: str) -> str:
+        return f"<|im_start|>user\n{text}<|im_end|>\n"
+
+    def instruction(self, text: str) -> str:
+        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    def end_of_turn(self) -> str:
+        return "<|im_end|>\n"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step cost and reused. Times in milliseconds."""
+
+    ttft_ms: float
+    total_ms: float
+    finalize_ms: float
+    tokens_prefilled: int
+    tokens_reused: int
+    tokens_rotated: int
+    patches_applied: int
+    vision_encoder_calls: int
+    window_tokens: int
+    evicted: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    output: str
+    parsed: Any
+    report: StepReport
+    chunk_ids: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "parsed": self.parsed,
+            "report": asdict(self.report),
+            "chunk_ids": self.chunk_ids,
+        }
+
+
+def encoder_calls(adapter: ModelAdapter) -> int:
+    return int(getattr(adapter, "vision_encoder_calls", 0))
+
+
+class Agent:
+    """One agent session: a window on a model and a store, stepped by observations."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        system_prompt: str,
+        window: WindowConfig | None = None,
+        store: TieredStore | None = None,
+        policy: Policy | str = "text",
+        chat: ChatFormat | None = None,
+        max_new_tokens: int = 64,
+        finalize: bool = True,
+    ) -> None:
+        self.adapter = adapter
+        self.chat = chat or ChatML()
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.store = store or TieredStore.from_config(StoreConfig(host_bytes=2 << 30))
+        self.max_new_tokens = max_new_tokens
+        self.auto_finalize = finalize
+        self.context = ContextManager(
+            adapter, self.store, window or WindowConfig(), self._text(self.chat.system(system_prompt))
+        )
+
+    def _text(self, text: str) -> TextInput:
+        ids = self.adapter.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.adapter.text(ids)
+
+    def chunks(self, obs: Observation) -> list[tuple[ChunkInput, dict[str, Any]]]:
+        """An observation as window chunks with their metadata."""
+        if isinstance(obs, TextObservation):
+            return [(self._text(self.chat.user_text(obs.text)), {"kind": "text"})]
+        image_of: Callable[[Image.Image], ChunkInput] | None = getattr(self.adapter, "image", None)
+        if image_of is None:
+            raise TypeError(f"{self.adapter.info.name} takes no images")
+        if isinstance(obs, ImageObservation):
+            return [(image_of(obs.image), {"kind": "image", "label": obs.label})]
+        return [
+            (image_of(f), {"kind": "frame", "t": float(t)})
+            for f, t in zip(obs.frames, obs.timestamps, strict=True)
+        ]
+
+    def step(
+        self, observations: Sequence[Observation], instruction: str, max_new_tokens: int | None = None
+    ) -> StepResult:
+        t0 = time.perf_counter()
+        cm, c = self.context, self.context.counters
+        before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
+        evicted_before = set(cm.evicted)
+        ids: list[str] = []
+        reused = cm.tokens
+        for obs in observations:
+            for chunk, meta in self.chunks(obs):
+                cm.append(chunk, meta)
+                ids.append(cm.view()[-1].chunk_id)
+        prompt = self._text(self.chat.instruction(instruction))
+        cache = cm.cache()
+        start = cm.next_start
+        gen = self.adapter.generate(prompt, cache, start, max_new_tokens or self.max_new_tokens)
+        ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
+        c.tokens_prefilled += prompt.n_tokens + len(gen.tokens)
+        c.tokens_reused += reused
+        output = self.adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+        self._record_turn(prompt, gen.tokens, cache, start)
+        t1 = time.perf_counter()
+        if self.auto_finalize:
+            cm.finalize()
+        finalize_ms = 1000 * (time.perf_counter() - t1)
+        report = StepReport(
+            ttft_ms=ttft_ms,
+            total_ms=1000 * (time.perf_counter() - t0),
+            finalize_ms=finalize_ms,
+            tokens_prefilled=c.tokens_prefilled - before[0],
+            tokens_reused=reused,
+            tokens_rotated=c.tokens_rotated - before[1],
+            patches_applied=c.patches_applied - before[2],
+            vision_encoder_calls=encoder_calls(self.adapter) - before[3],
+            window_tokens=cm.tokens,
+            evicted=tuple(e for e in cm.evicted if e not in evicted_before),
+        )
+        return StepResult(output, self.policy.parse(output), report, tuple(ids))
+
+    def _record_turn(self, prompt: TextInput, generated: list[int], cache: Any, start: int) -> None:
+        """Keep instruction + answer in the window, taking their KV from the cache just used."""
+        end = self._text(self.chat.end_of_turn()).ids.tolist()
+        fed = (
+            self.adapter.cache_length(cache) - sum(v.n_tokens for v in self.context.view()) - prompt.n_tokens
+        )
+        pending = generated[fed:] + end  # tokens generated but not yet in the cache, then the turn's end
+        pos = start + prompt.n_tokens + fed
+        for token in pending:
+            self.adapter.decode_step(token, cache, pos)
+            pos += 1
+        turn = TextInput(torch.cat([prompt.ids, torch.tensor(generated + end, dtype=torch.int64)]))
+        kv = self.adapter.kv_tail(cache, turn, start)
+        # a turn longer than the whole window is not kept; the window stays as it was
+        with contextlib.suppress(ValueError):
+            self.context.adopt(turn, kv, cache, {"kind": "turn"})
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative counters and the store's, for users and tests."""
+        return {
+            "window": asdict(self.context.counters),
+            "vision_encoder_calls": encoder_calls(self.adapter),
+            "store": {t.tier: asdict(t) for t in self.store.stats().tiers},
+        }
+
+
+def make_agent(adapter: ModelAdapter, system_prompt: str, budget_tokens: int = 4096, **kw: Any) -> Agent:
+    return Agent(adapter, system_prompt, WindowConfig(budget_tokens=budget_tokens), **kw)
+
+
+__all__ = [
+    "Agent",
+    "FramesObservation",
+    "ImageObservation",
+    "Observation",
+    "Policy",
+    "StepResult",
+    "TextObservation",
+]
