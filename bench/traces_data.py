@@ -411,10 +411,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--min-size", type=int, default=16)
     ap.add_argument("--avg-size", type=int, default=64)
     ap.add_argument("--max-size", type=int, default=256)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--normalization", type=int, default=1)
     ap.add_argument("--chunker", default="gear")
     args = ap.parse_args(argv)
     sessions = load_sessions(args.source, args.split)[: args.sessions]
-    cfg = PlannerConfig(args.chunker, CDCConfig(args.min_size, args.avg_size, args.max_size))
+    cfg = PlannerConfig(
+        args.chunker, CDCConfig(args.min_size, args.avg_size, args.max_size, args.window, args.normalization)
+    )
     print(
         f"{'policy':<22}{'req':>5}{'tokens':>10}{'prefix':>8}{'content':>8}{'oracle':>8}{'recov':>7}{'p50ms':>7}"
     )
