@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def parse(self, output: str) -> Any: ...
 
@@ -95,7 +96,7 @@ class ActionPolicy:
         return Unparsed(output, reasons[0] if reasons else "empty output")
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"text": TextPolicy, "action": ActionPolicy}
+POLICIES: dict[str, Callable[[], Policy]] = {"text": lambda: TextPolicy(), "action": lambda: ActionPolicy()}
 
 
 def make_policy(name: str) -> Policy:

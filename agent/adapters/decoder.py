@@ -118,7 +118,7 @@ class DecoderAdapter(ModelAdapter):
         vs = torch.cat([v for _, v in placed], dim=2) if len(placed) > 1 else placed[0][1].clone()
         for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
             key, value = self._to_slots(k[None], v[None])
-            cache.layers[layer].update(key, value)
+            cache.layers[layer].update(key, value)  # type: ignore[union-attr]
         return cache
 
     def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:

@@ -121,14 +121,16 @@ def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
 
         from agent.adapters.qwen_vl import QwenVLAdapter
 
-        vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+        vlm = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+        vlm = vlm.to(device)  # type: ignore[arg-type]
         return QwenVLAdapter(vlm, AutoProcessor.from_pretrained(path), name=Path(path).name)
     if arch in DECODER_ARCHITECTURES:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from agent.adapters.decoder import DecoderAdapter
 
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        lm = lm.to(device)  # type: ignore[arg-type]
         return DecoderAdapter(lm, AutoTokenizer.from_pretrained(path), name=Path(path).name)
     raise UnsupportedModelError(
         f"no adapter for architecture {arch!r}; supported: "

@@ -47,7 +47,7 @@ def _neox() -> Any:
         intermediate_size=192,
         num_hidden_layers=3,
         num_attention_heads=4,
-        rotary_pct=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         max_position_embeddings=65536,
         eos_token_id=1,
         bos_token_id=0,
@@ -131,8 +131,6 @@ def qwen2_5_vl_config(**text: Any) -> Any:
         video_token_id=VOCAB - 4,
         vision_start_token_id=VOCAB - 2,
         vision_end_token_id=VOCAB - 1,
-        eos_token_id=1,
-        bos_token_id=0,
     )
 
 
