@@ -1,0 +1,193 @@
+"""The context manager under random sequences of append, slide, reorder and recall.
+
+A slow reference window is kept beside it: every chunk occurrence remembers the KV it had when it
+was prefilled (computed by the reference on its own cache, rotated in float64). With full-rank
+patches a recalled chunk must come back with exactly that KV, survivors must only have rotated,
+and the assembled cache must equal the reference chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from agent.adapters.base import ModelAdapter, TextInput
+from agent.adapters.tiny import tiny_adapter
+from agent.context import ContextManager, RecallError, Source, WindowConfig
+from cache.patch import PatchConfig
+from cache.rank import rank_strategy
+from cache.store import StoreConfig, TieredStore
+from tests.test_rope import reference_rotate
+
+BUDGET = 64
+FULL_RANK = PatchConfig(rank=rank_strategy("fixed", rank=64), storage="float32", solver="exact")
+
+
+@pytest.fixture(scope="module")
+def adapter() -> ModelAdapter:
+    return tiny_adapter("llama-gqa")
+
+
+def pool(n: int = 6) -> list[TextInput]:
+    g = torch.Generator().manual_seed(7)
+    return [TextInput(torch.randint(2, 500, (int(torch.randint(4, 14, (1,), generator=g)),), generator=g)) for _ in range(n)]
+
+
+@dataclass
+class RefChunk:
+    chunk_id: str
+    k: torch.Tensor  # pre-RoPE conditioned KV from when it was prefilled
+    v: torch.Tensor
+
+
+class Reference:
+    """The window as plain lists; KV placed with the float64 reference rotation."""
+
+    def __init__(self, adapter: ModelAdapter, prefix: TextInput) -> None:
+        self.adapter = adapter
+        kv = adapter.encode(prefix)
+        self.window = [RefChunk("prefix", kv.k, kv.v)]
+        self.evicted: dict[str, RefChunk] = {}
+
+    def placed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out, start = [], 0
+        for c in self.window:
+            n = c.k.shape[2]
+            out.append((reference_rotate(c.k, torch.arange(start, start + n), self.adapter.spec).float(), c.v))
+            start += n
+        return out
+
+    def append(self, chunk_id: str, chunk: TextInput) -> None:
+        cache = self.adapter.assemble(self.placed())
+        start = sum(c.k.shape[2] for c in self.window)
+        kv = self.adapter.prefill(chunk, cache, start).kv
+        self.window.append(RefChunk(chunk_id, kv.k, kv.v))
+
+
+def check(cm: ContextManager, ref: Reference, adapter: ModelAdapter) -> None:
+    view = cm.view()
+    # positions contiguous from the pinned prefix, budget held
+    assert view[0].source == Source.PREFIX and view[0].start == 0
+    for a, b in zip(view, view[1:], strict=False):
+        assert b.start == a.start + a.extent
+    assert cm.tokens <= BUDGET
+    assert [v.chunk_id for v in view[1:]] == [c.chunk_id for c in ref.window[1:]]
+    # the assembled cache equals the reference, chunk by chunk
+    cache = cm.cache()
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    for chunk, (k_ref, v_ref), (k_len) in zip(view, ref.placed(), [v.n_tokens for v in view], strict=True):
+        k = keys[:, :, chunk.start : chunk.start + k_len]
+        v = values[:, :, chunk.start : chunk.start + k_len]
+        torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=2e-5)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 5)),
+        st.tuples(st.just("slide"), st.integers(1, 2)),
+        st.tuples(st.just("reorder"), st.randoms(use_true_random=False)),
+        st.tuples(st.just("recall"), st.integers(0, 10), st.integers(1, 6)),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops)
+def test_random_window_operations_keep_every_invariant(adapter: ModelAdapter, ops: list[tuple]) -> None:  # type: ignore[type-arg]
+    chunks = pool()
+    prefix = TextInput(torch.arange(2, 8))
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET, patch=FULL_RANK), prefix)
+    ref = Reference(adapter, prefix)
+    appended: set[str] = set()
+    for op in ops:
+        if op[0] == "append":
+            chunk = chunks[op[1]]
+            cid = adapter.chunk_key(chunk)
+            # the reference slides exactly as the window must: oldest first, until it fits
+            while sum(c.k.shape[2] for c in ref.window) + chunk.n_tokens > BUDGET:
+                gone = ref.window.pop(1)
+                ref.evicted[gone.chunk_id] = gone
+            cm.append(chunk)
+            ref.append(cid, chunk)
+            appended.add(cid)
+        elif op[0] == "slide":
+            n = min(op[1], len(ref.window) - 1)
+            for cid in cm.slide(n):
+                gone = ref.window.pop(1)
+                assert gone.chunk_id == cid
+                ref.evicted[cid] = gone
+        elif op[0] == "reorder":
+            order = [v.chunk_id for v in cm.view()[1:]]
+            op[1].shuffle(order)
+            if len(set(order)) == len(order):  # duplicates reorder ambiguously in the reference
+                cm.reorder(order)
+                by_id = {c.chunk_id: c for c in ref.window[1:]}
+                ref.window[1:] = [by_id[cid] for cid in order]
+        else:
+            evicted = [e for e in cm.evicted if e not in {v.chunk_id for v in cm.view()}]
+            if not evicted:
+                continue
+            cid = evicted[op[1] % len(evicted)]
+            at = min(op[2], len(ref.window))
+            came_back = ref.evicted.pop(cid)
+            cm.recall(cid, at)
+            ref.window.insert(at, came_back)
+            while sum(c.k.shape[2] for c in ref.window) > BUDGET:
+                victim = next(i for i, c in enumerate(ref.window[1:], 1) if c is not came_back)
+                gone = ref.window.pop(victim)
+                ref.evicted[gone.chunk_id] = gone
+        check(cm, ref, adapter)
+        # nothing lost: every chunk ever appended is in the window or recallable
+        assert appended <= {v.chunk_id for v in cm.view()} | set(cm.evicted)
+
+
+def test_recall_of_an_unknown_chunk_is_refused(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=1 << 20))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))
+    with pytest.raises(RecallError):
+        cm.recall("0" * 64)
+    with pytest.raises(ValueError, match="permutation"):
+        cm.reorder(["nope"])
+    with pytest.raises(ValueError, match="cannot fit"):
+        cm.append(TextInput(torch.arange(2, 2 + BUDGET)))
+    assert cm.tokens == 6  # the window is unchanged after every refusal
+
+
+def test_recall_after_store_eviction_recomputes_and_says_so(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=1))  # holds nothing
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))
+    a = pool()[0]
+    cm.append(a)
+    cid = cm.slide(1)[0]
+    view = cm.recall(cid)
+    assert view.source == Source.CANONICAL  # no patch survived in the store: blind reuse, reported
+    assert cm.counters.recompute_on_miss == 1
+
+
+def test_vision_encoder_runs_once_per_distinct_image_over_a_long_session() -> None:
+    adapter = tiny_adapter("qwen2.5-vl")
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=80), TextInput(torch.arange(2, 6)))
+    colours = ["red", "green", "blue", "yellow", "purple"]
+    images = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]  # type: ignore[attr-defined]
+    seen = []
+    for step in range(14):
+        cm.append(images[(step * 3) % 5])  # repeats, and the window slides as it fills
+        seen.append(images[(step * 3) % 5].content_key)
+        cm.finalize()
+        if step % 4 == 3 and cm.evicted:
+            cm.recall(cm.evicted[0], at=1)
+    order = [v.chunk_id for v in cm.view()[1:]]
+    cm.reorder(order[::-1])
+    cm.cache()
+    assert adapter.vision_encoder_calls == len(set(seen)) == 5  # type: ignore[attr-defined]
