@@ -1,0 +1,466 @@
+"""``kamera video-qa``: answer questions over a long video whose frames slide through the window.
+
+The video plays once, front to back. Each sampled frame is preprocessed, run through the vision
+encoder once (the adapter caches features by content) and appended to the window as its own
+chunk, with its timestamp; the context manager slides the oldest frames out when the token
+budget is reached (survivors rotate, evicted frames go to the store with their canonical KV and
+patch). A question asked at a time (``--at``) or at the end picks the frames it needs with a
+retrieval strategy (``demos/retrieval.py``) and brings back the evicted ones with
+``ContextManager.recall``: no vision encoder, no prefill of the frame. Only the question and the
+answer are prefilled.
+
+Two baselines are measured in the same run: ``reprefill_ttft_ms``, a full prefill of the first
+question's window (vision features cached, so the LLM prefill alone), and with ``--compare``
+``reencode_total_s``, every question answered from scratch on its window (vision encoder
+included, on an adapter with an empty feature cache).
+
+Not here: audio, seeking (the stream is decoded front to back), several videos in one window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
+from agent.context import ContextManager, WindowConfig
+from agent.loop import Agent, ChatML
+from agent.models import WORLD_VL_DIR
+from demos.retrieval import RETRIEVALS, FrameRecord, make_retrieval
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+TINY = "tiny"
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot work (bad time, budget too small for one frame)."""
+
+
+# --------------------------------------------------------------------------- models
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, for the random-weight test model (which ships no tokenizer).
+
+    Ids: 0 ``<|endoftext|>``, 1 ``<|im_end|>`` (the tiny model's end token), 2 ``<|im_start|>``,
+    3..258 the bytes. The tiny model's vision ids (508..511) are never produced from text.
+    """
+
+    SPECIAL: dict[str, int] = {"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
+    _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL) + ")")
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        ids: list[int] = []
+        for part in self._SPLIT.split(text):
+            ids += [self.SPECIAL[part]] if part in self.SPECIAL else [3 + b for b in part.encode()]
+        return {"input_ids": ids}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+
+def default_model_dir() -> Path:
+    """``agent/models/world_vl`` when it holds weights; otherwise a clear error."""
+    if any(WORLD_VL_DIR.glob("*.safetensors")) and (WORLD_VL_DIR / "config.json").is_file():
+        return WORLD_VL_DIR
+    raise ModelNotFoundError(
+        f"no --model given and {WORLD_VL_DIR} holds no weights yet (train it with "
+        "'kamera train-demo-model'); pass --model PATH to a Qwen2.5-VL checkpoint folder, "
+        f"or --model {TINY} for a random-weight test model"
+    )
+
+
+def load_vl_adapter(model: str | None) -> ModelAdapter:
+    """A vision-language adapter: a checkpoint folder, the default world model, or ``tiny``."""
+    if model == TINY:
+        from agent.adapters.tiny import tiny_adapter
+
+        adapter = tiny_adapter("qwen2.5-vl")
+        adapter.tokenizer = ByteTokenizer()
+        return adapter
+    adapter = load_adapter(str(default_model_dir() if model is None else model))
+    if not hasattr(adapter, "image"):
+        raise UnsupportedModelError(f"{adapter.info.name} ({adapter.info.architecture}) takes no images")
+    return adapter
+
+
+def fresh_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """The same weights behind a new adapter: an empty vision feature cache, its own counters."""
+    from agent.adapters.qwen_vl import QwenVLAdapter
+
+    if not isinstance(adapter, QwenVLAdapter):
+        raise TypeError(f"no fresh copy for {type(adapter).__name__}")
+    copy = QwenVLAdapter(adapter.model, adapter.processor, adapter.info.name)
+    copy.tokenizer = adapter.tokenizer
+    return copy
+
+
+def encode_text(adapter: ModelAdapter, text: str) -> TextInput:
+    return adapter.text(adapter.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --------------------------------------------------------------------------- questions
+
+
+def parse_time(text: str) -> float:
+    """``HH:MM:SS``, ``MM:SS`` or seconds (fractions allowed) to seconds."""
+    try:
+        parts = [float(p) for p in text.strip().split(":")]
+    except ValueError:
+        raise UsageError(f"not a time: {text!r} (use HH:MM:SS, MM:SS or seconds)") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 or not math.isfinite(p) for p in parts):
+        raise UsageError(f"not a time: {text!r} (use HH:MM:SS, MM:SS or seconds)")
+    seconds = 0.0
+    for p in parts:
+        seconds = seconds * 60 + p
+    return seconds
+
+
+def clock(seconds: float) -> str:
+    """``MM:SS`` (``HH:MM:SS`` past an hour), with tenths when the time is not whole."""
+    whole, tenths = divmod(round(seconds * 10), 10)
+    text = f"{whole // 3600:02d}:" if whole >= 3600 else ""
+    text += f"{whole // 60 % 60:02d}:{whole % 60:02d}"
+    return text + (f".{tenths}" if tenths else "")
+
+
+@dataclass
+class Asked:
+    index: int
+    question: str
+    at: float | None  # None: after the last frame
+    answer: str = ""
+    ttft_ms: float = 0.0
+    answer_ms: float = 0.0
+    asked_at: float = 0.0
+    frame_times: list[float] = field(default_factory=list)
+    recalled_times: list[float] = field(default_factory=list)
+    window_ids: list[str] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the session
+
+
+class VideoSession:
+    """One video played through one agent window; frames in, questions answered on demand."""
+
+    def __init__(self, adapter: ModelAdapter, args: argparse.Namespace) -> None:
+        self.adapter = adapter
+        self.args = args
+        self.agent = Agent(
+            adapter,
+            args.system,
+            WindowConfig(budget_tokens=args.budget),
+            policy="text",
+            max_new_tokens=args.max_new_tokens,
+        )
+        self.retrieval = make_retrieval(args.retrieval)
+        self.frames: list[FrameRecord] = []
+        self.inputs: dict[str, ImageInput] = {}
+        self.reprefill: dict[str, Any] | None = None
+
+    @property
+    def cm(self) -> ContextManager:
+        return self.agent.context
+
+    def add_frame(self, image: Any, t: float) -> None:
+        chunk = self.adapter.image(image)  # type: ignore[attr-defined]
+        if chunk.n_tokens + self.cm.view()[0].n_tokens > self.args.budget:
+            raise UsageError(
+                f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
+                "frame after the system prompt"
+            )
+        self.cm.append(chunk, {"kind": "frame", "t": t})
+        cid = self.cm.view()[-1].chunk_id
+        self.inputs[cid] = chunk
+        embedding = None
+        if self.retrieval.name == "similarity":  # a hit in the adapter's feature cache: no encoder run
+            embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
+        self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+
+    def question_embedding(self, question: str) -> torch.Tensor | None:
+        if self.retrieval.name != "similarity":
+            return None
+        ids = encode_text(self.adapter, question).ids.to(self.adapter.device)
+        with torch.inference_mode():
+            emb = self.adapter.model.get_input_embeddings()(ids)  # type: ignore[attr-defined]
+        return emb.float().mean(0).cpu()
+
+    def answer(self, q: Asked, now: float) -> None:
+        t0 = time.perf_counter()
+        latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
+        candidates = sorted(latest.values(), key=lambda f: f.t)
+        room = self.args.budget - self.cm.view()[0].n_tokens
+        k, used = 0, 0
+        for f in sorted(candidates, key=lambda f: f.n_tokens):  # how many frames fit at most
+            if k >= self.args.frames_per_question or used + f.n_tokens > room:
+                break
+            k, used = k + 1, used + f.n_tokens
+        chosen = [candidates[i] for i in self.retrieval.select(candidates, k, self.question_embedding(q.question))]
+        q.recalled_times = self._bring_in(chosen)
+        window = [v for v in self.cm.view() if v.kind == "frame"]
+        q.frame_times = [float(v.meta["t"]) for v in window]
+        q.window_ids = [v.chunk_id for v in window]
+        prepare_ms = 1000 * (time.perf_counter() - t0)
+        result = self.agent.step([], q.question)
+        q.answer = result.output.strip()
+        q.ttft_ms = prepare_ms + result.report.ttft_ms
+        q.answer_ms = prepare_ms + result.report.total_ms
+        q.asked_at = now
+        q.report = result.as_dict()["report"]
+        if self.reprefill is None:
+            self.reprefill = self._measure_reprefill(q)
+
+    def _bring_in(self, chosen: Sequence[FrameRecord]) -> list[float]:
+        """Make the chosen frames present: evict unchosen chunks (oldest first) to make room, then
+        recall each evicted chosen frame at its place in time. Returns the recalled timestamps."""
+        ids = {f.chunk_id for f in chosen}
+        present = {v.chunk_id for v in self.cm.view()}
+        missing = [f for f in chosen if f.chunk_id not in present]
+        need = sum(f.n_tokens for f in missing)
+        while self.cm.tokens + need > self.args.budget:
+            victim = next((i for i, v in enumerate(self.cm.view()) if i and v.chunk_id not in ids), None)
+            if victim is None:
+                break
+            self.cm.slide_at(victim)
+        for f in missing:
+            view = self.cm.view()
+            at = 1 + max(
+                (i for i, v in enumerate(view) if i and v.kind == "frame" and float(v.meta["t"]) <= f.t),
+                default=0,
+            )
+            self.cm.recall(f.chunk_id, at=at)
+        return [f.t for f in missing]
+
+    def _prefix(self) -> TextInput:
+        return encode_text(self.adapter, ChatML().system(self.args.system))
+
+    def _measure_reprefill(self, q: Asked) -> dict[str, Any]:
+        """Full prefill of the same window (frames' features cached) and the question's first token."""
+        chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
+        ms, answer = full_answer(self.adapter, chunks, self._prompt(q.question), self.args.max_new_tokens)
+        return {"ttft_ms": ms, "answer": answer, "same_answer": answer.strip() == q.answer}
+
+    def _prompt(self, question: str) -> TextInput:
+        return encode_text(self.adapter, ChatML().instruction(question))
+
+    def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
+        """Each question answered from scratch on its window, vision encoder included."""
+        t0 = time.perf_counter()
+        fresh = fresh_adapter(self.adapter)
+        answers = []
+        for q in asked:
+            chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
+            _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
+            answers.append(answer.strip())
+        return {
+            "reencode_total_s": time.perf_counter() - t0,
+            "reencode_vision_encoder_calls": int(getattr(fresh, "vision_encoder_calls", 0)),
+            "reencode_answers": answers,
+            "reencode_same_answers": sum(a == q.answer for a, q in zip(answers, asked, strict=True)),
+        }
+
+
+def full_answer(
+    adapter: ModelAdapter, chunks: Sequence[ChunkInput], prompt: TextInput, max_new_tokens: int
+) -> tuple[float, str]:
+    """Prefill ``chunks`` then ``prompt`` on an empty cache and decode greedily.
+
+    Returns the time to first token in milliseconds and the answer text.
+    """
+    t0 = time.perf_counter()
+    cache, start = adapter.empty_cache(), 0
+    for chunk in chunks:
+        adapter.prefill(chunk, cache, start)
+        start += adapter.chunk_positions(chunk)[1]
+    gen = adapter.generate(prompt, cache, start, max_new_tokens)
+    ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
+    return ttft_ms, adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kamera video-qa",
+        description="Answer questions over a video whose frames slide through a token-budgeted window.",
+    )
+    p.add_argument("video", help="a video file (anything PyAV decodes)")
+    p.add_argument("--question", "-q", action="append", required=True, help="a question (repeatable)")
+    p.add_argument(
+        "--at",
+        action="append",
+        default=[],
+        help="when to ask, one per question in order (HH:MM:SS, MM:SS or seconds); "
+        "questions without one are asked at the end",
+    )
+    p.add_argument("--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: {WORLD_VL_DIR})")
+    p.add_argument("--budget", type=int, default=4096, help="window token budget (default 4096)")
+    p.add_argument("--retrieval", choices=sorted(RETRIEVALS), default="even", help="default: even")
+    p.add_argument("--frames-per-question", type=int, default=8, help="frames a question looks at (8)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--system", default=SYSTEM_PROMPT, help="system prompt")
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument("--fps", type=float, help="frames sampled per second (qwen-vl-utils default 2)")
+    sampling.add_argument("--nframes", type=int, help="frames sampled over the whole video")
+    p.add_argument("--max-frames", type=int, help="cap on frames sampled with --fps")
+    p.add_argument("--max-pixels", type=int, help="cap on pixels per sampled frame")
+    p.add_argument("--compare", action="store_true", help="also answer every question by re-encoding")
+    p.add_argument("--json", type=Path, help="write a machine-readable report here")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def schedule(args: argparse.Namespace) -> list[Asked]:
+    if len(args.at) > len(args.question):
+        raise UsageError(f"{len(args.at)} --at for {len(args.question)} --question")
+    times: list[float | None] = [parse_time(a) for a in args.at]
+    times += [None] * (len(args.question) - len(times))
+    return [Asked(i, q, t) for i, (q, t) in enumerate(zip(args.question, times, strict=True))]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tools.video import SamplingConfig, iter_frames, plan_sampling, probe_video
+
+    if args.budget <= 0 or args.frames_per_question <= 0 or args.max_new_tokens <= 0:
+        raise UsageError("--budget, --frames-per-question and --max-new-tokens must be positive")
+    asked = schedule(args)
+    try:
+        sampling = SamplingConfig(
+            fps=args.fps, nframes=args.nframes, max_frames=args.max_frames, max_pixels=args.max_pixels
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    info = probe_video(args.video)
+    plan = plan_sampling(info, sampling)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_load = time.perf_counter()
+    adapter = load_vl_adapter(args.model)
+    load_s = time.perf_counter() - t_load
+
+    t0 = time.perf_counter()
+    session = VideoSession(adapter, args)
+    pending = sorted(asked, key=lambda q: math.inf if q.at is None else q.at)
+    measured = 0.0  # time spent on the re-prefill baseline, kept out of total_s
+    n_sampled, last_t = 0, 0.0
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
+        task = progress.add_task("decoding and encoding frames", total=len(plan.indices))
+        for frame in iter_frames(args.video, sampling):
+            while pending and pending[0].at is not None and pending[0].at < frame.timestamp:
+                measured += _answer(session, pending.pop(0), last_t)
+            session.add_frame(frame.to_pil(), frame.timestamp)
+            n_sampled, last_t = n_sampled + 1, frame.timestamp
+            progress.advance(task)
+    while pending:
+        measured += _answer(session, pending.pop(0), last_t)
+    total_s = time.perf_counter() - t0 - measured
+
+    snap = session.agent.snapshot()
+    report: dict[str, Any] = {
+        "video": str(args.video),
+        "model": adapter.info.name,
+        "retrieval": args.retrieval,
+        "budget_tokens": args.budget,
+        "duration_s": info.duration_s,
+        "sample_fps": plan.sample_fps,
+        "frames_sampled": n_sampled,
+        "distinct_frames": len(session.inputs),
+        "vision_encoder_calls": snap["vision_encoder_calls"],
+        "tokens_reused": snap["window"]["tokens_reused"],
+        "questions": [
+            {
+                "question": q.question,
+                "asked_at_s": q.asked_at,
+                "answer": q.answer,
+                "ttft_ms": q.ttft_ms,
+                "answer_ms": q.answer_ms,
+                "frame_times": q.frame_times,
+                "recalled_times": q.recalled_times,
+                "step": q.report,
+            }
+            for q in asked
+        ],
+        "reprefill_ttft_ms": (session.reprefill or {}).get("ttft_ms"),
+        "reprefill_same_answer": (session.reprefill or {}).get("same_answer"),
+        "total_s": total_s,
+        "answer_total_s": sum(q.answer_ms for q in asked) / 1000,
+        "load_s": load_s,
+        "window": snap["window"],
+        "store": snap["store"],
+    }
+    if args.compare:
+        report.update(session.reencode(asked))
+        report["speedup_total"] = report["reencode_total_s"] / total_s
+        report["speedup_answers"] = report["reencode_total_s"] / max(report["answer_total_s"], 1e-9)
+    return report
+
+
+def _answer(session: VideoSession, q: Asked, now: float) -> float:
+    """Answer ``q``; returns the seconds spent on the re-prefill measurement (not on answering)."""
+    had = session.reprefill is not None
+    t0 = time.perf_counter()
+    session.answer(q, now)
+    if had or session.reprefill is None:
+        return 0.0
+    return (time.perf_counter() - t0) - q.answer_ms / 1000
+
+
+def print_report(report: dict[str, Any]) -> None:
+    for q in report["questions"]:
+        times = ", ".join(clock(t) for t in q["frame_times"]) or "none"
+        print(f"[{clock(q['asked_at_s'])}] Q: {q['question']}")
+        print(f"  A: {q['answer']!r}")
+        print(f"  frames at {times}; ttft {q['ttft_ms']:.0f} ms")
+    line = (
+        f"{report['frames_sampled']} frames sampled ({report['distinct_frames']} distinct), "
+        f"{report['vision_encoder_calls']} vision encoder calls, {report['tokens_reused']} tokens reused, "
+        f"total {report['total_s']:.1f} s"
+    )
+    if report.get("reprefill_ttft_ms") is not None:
+        line += f"; re-prefill ttft {report['reprefill_ttft_ms']:.0f} ms"
+    if "reencode_total_s" in report:
+        line += f"; re-encoding every question {report['reencode_total_s']:.1f} s"
+    print(line)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tools.video import VideoError
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message
+        return int(e.code or 0)
+    try:
+        report = run(args)
+    except (VideoError, UsageError, ModelNotFoundError, UnsupportedModelError) as e:
+        print(f"kamera video-qa: error: {e}", file=sys.stderr)
+        return 2
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
