@@ -1,0 +1,135 @@
+"""Chat messages to prompt pieces with the model's chat template, applied piecewise.
+
+The template is rendered once with every content part replaced by a sentinel; the text between
+sentinels is the template's own text (role headers, turn ends, a default system prompt, the
+generation prompt). Each piece is then tokenized on its own, so a message's text tokenizes the
+same wherever it sits in the conversation, and every message and image starts a piece: the
+planner gets those offsets as structural boundaries.
+
+A tokenizer without a chat template gets ChatML (``<|im_start|>role\\n ... <|im_end|>\\n``),
+what SmolLM2 and Qwen use. The tiny random models have no tokenizer; :class:`ByteTokenizer`
+gives them one.
+
+Not here: decoding images (``media.py``) or planning reuse (``prompt_cache.py``). Content is
+inserted raw where the template had the sentinel: a template that transforms content (strips
+it, for example) sees the sentinel, not the text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from PIL import Image
+
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message: a role and its parts in order (text, or an image to become a chunk)."""
+
+    role: str
+    parts: tuple[str | Image.Image, ...]
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    ids: tuple[int, ...]
+    template: bool  # text of the template itself rather than of a message
+
+
+@dataclass(frozen=True)
+class ImagePiece:
+    image: Image.Image
+
+
+Piece = TextPiece | ImagePiece
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (e.g. roles out of the order it accepts)."""
+
+
+def tokenize(tokenizer: Any, text: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    return tuple(int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render(tokenizer: Any, messages: Sequence[Message]) -> list[Piece]:
+    """The prompt of ``messages`` followed by the generation prompt, as pieces in order."""
+    parts: list[str | Image.Image] = []
+    rendered_msgs = []
+    for m in messages:
+        marks = []
+        for p in m.parts:
+            marks.append(f"{_OPEN}{len(parts)}{_CLOSE}")
+            parts.append(p)
+        rendered_msgs.append({"role": m.role, "content": "".join(marks)})
+    text = _apply_template(tokenizer, rendered_msgs)
+    pieces: list[Piece] = []
+    pos, expected = 0, 0
+    for match in _SENTINEL.finditer(text):
+        index = int(match.group(1))
+        if index != expected:
+            raise TemplateError("the chat template reordered or dropped message content")
+        expected += 1
+        _add_text(pieces, tokenizer, text[pos : match.start()], template=True)
+        part = parts[index]
+        if isinstance(part, str):
+            _add_text(pieces, tokenizer, part, template=False)
+        else:
+            pieces.append(ImagePiece(part))
+        pos = match.end()
+    if expected != len(parts):
+        raise TemplateError("the chat template dropped message content")
+    _add_text(pieces, tokenizer, text[pos:], template=True)
+    return pieces
+
+
+def _add_text(pieces: list[Piece], tokenizer: Any, text: str, template: bool) -> None:
+    ids = tokenize(tokenizer, text)
+    if ids:
+        pieces.append(TextPiece(ids, template))
+
+
+def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises its own exception types for template errors
+            raise TemplateError(f"the chat template refused the messages: {exc}") from exc
+        return str(out)
+    body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return body + "<|im_start|>assistant\n"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 4..259, plus ChatML's two markers; for the tiny random models.
+
+    Ids: 0 bos, 1 ``<|im_end|>`` (the tiny models' end token), 2 ``<|im_start|>``, 3 unused.
+    """
+
+    chat_template = None
+    specials: ClassVar[dict[str, int]] = {"<|im_start|>": 2, "<|im_end|>": 1}
+    _split = re.compile("(<\\|im_start\\|>|<\\|im_end\\|>)")
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self.specials:
+                ids.append(self.specials[part])
+            else:
+                ids.extend(b + 4 for b in part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 4 for i in ids if 4 <= i < 260)
+        return data.decode("utf-8", errors="replace")

@@ -1,0 +1,127 @@
+"""``kamera serve``: build the runtime from options (or KAMERA_* environment variables), then
+serve the app with uvicorn until SIGINT/SIGTERM, draining running requests first.
+
+Every option has an environment variable: ``--max-body-bytes`` is ``KAMERA_MAX_BODY_BYTES``,
+``--port`` is ``KAMERA_PORT``, and so on; an option on the command line wins. API keys come
+from ``--api-keys-file`` (one ``key tenant`` pair a line) or ``KAMERA_API_KEYS``
+(``key:tenant,key:tenant``), never from a command line where ``ps`` would show them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.server.limits import ServerLimits, limit_fields
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get("KAMERA_" + name.upper().replace("-", "_"), default)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kamera serve", description="OpenAI-compatible endpoint with agent sessions"
+    )
+    p.add_argument(
+        "--model", default=_env("model", None), help="embedded name, checkpoint folder or .gguf file"
+    )
+    p.add_argument("--served-model-name", default=_env("served_model_name", None))
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    p.add_argument("--device", default=_env("device", "cpu"))
+    p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--log-level", default=_env("log_level", "info"))
+    store = p.add_argument_group("store")
+    store.add_argument("--host-bytes", type=int, default=int(_env("host_bytes", 2 << 30)))
+    store.add_argument("--device-bytes", type=int, default=int(_env("device_bytes", 0)))
+    store.add_argument("--disk-path", default=_env("disk_path", None))
+    store.add_argument("--disk-bytes", type=int, default=int(_env("disk_bytes", 0)))
+    store.add_argument("--store-policy", default=_env("store_policy", "lru"))
+    media = p.add_argument_group("media")
+    media.add_argument(
+        "--allow-local-dir", default=_env("allow_local_dir", None), help="serve local media from here"
+    )
+    media.add_argument(
+        "--fetch-hosts",
+        default=_env("fetch_hosts", ""),
+        help="comma-separated hosts whose https images may be fetched (empty: fetching off)",
+    )
+    p.add_argument("--api-keys-file", default=_env("api_keys_file", None))
+    limits = p.add_argument_group("limits")
+    for name, kind, default in limit_fields():
+        limits.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, default)))
+    return p
+
+
+def api_keys(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    pairs: list[tuple[str, str]] = []
+    if args.api_keys_file:
+        for line in Path(args.api_keys_file).read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                key, _, tenant = line.strip().partition(" ")
+                pairs.append((key, tenant.strip() or key[:8]))
+    for item in filter(None, os.environ.get("KAMERA_API_KEYS", "").split(",")):
+        key, _, tenant = item.partition(":")
+        pairs.append((key.strip(), tenant.strip() or key[:8]))
+    return tuple(pairs)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from agent.server.media import MediaPolicy
+    from agent.server.runtime import RuntimeConfig
+    from cache.store import StoreConfig
+    from tools.media import FetchConfig
+
+    hosts = frozenset(h.strip() for h in args.fetch_hosts.split(",") if h.strip())
+    return RuntimeConfig(
+        model=args.model,
+        served_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        limits=ServerLimits(**{name: getattr(args, name) for name, _, _ in limit_fields()}),
+        store=StoreConfig(
+            host_bytes=args.host_bytes,
+            device_bytes=args.device_bytes,
+            disk_bytes=args.disk_bytes,
+            disk_path=args.disk_path,
+            policy=args.store_policy,
+        ),
+        media=MediaPolicy(
+            allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,
+            fetch=FetchConfig(enabled=bool(hosts), allowed_hosts=hosts),
+        ),
+        api_keys=api_keys(args),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from agent.server.app import create_app
+        from agent.server.logs import configure_logging
+        from agent.server.runtime import Runtime
+    except ImportError as exc:
+        print(f"kamera serve needs the server extra: pip install 'kamera[server]' ({exc})")
+        return 2
+    configure_logging(args.log_level)
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        print(f"kamera serve: {exc}")
+        return 2
+    runtime = Runtime.load(config)
+    uvicorn.run(
+        create_app(runtime),
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(config.limits.drain_s),
+    )
+    return 0

@@ -1,0 +1,142 @@
+"""Decoding after a prefilled prompt: greedy or seeded sampling, stop strings, cancellation.
+
+Tokens are decoded one at a time on the model cache the prompt left; after each, the text so far
+is decoded again and the new, safe part handed to ``on_text`` (text that could still turn into a
+stop string, or an incomplete UTF-8 character, is held back until it cannot). ``cancel`` is
+checked between tokens: a client that went away stops the work.
+
+Not here: the prompt (``prompt_cache.py``) or how text reaches a client (``app.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from agent.adapters.base import ModelAdapter
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; otherwise softmax sampling (with top_p) from a generator seeded
+    by ``seed``, so a request with the same seed gives the same output."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+class Decoded(NamedTuple):
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    first_token_at: float  # time.perf_counter() when the first token was chosen
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < self.params.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings; ``push`` returns the text safe to emit."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self._take(len(self.text))
+        safe = len(self.text) - self.hold
+        if self.text.endswith("\ufffd"):  # an incomplete UTF-8 character
+            safe = min(safe, len(self.text) - 1)
+        return self._take(safe)
+
+    def flush(self) -> str:
+        return self._take(len(self.text.rstrip("\ufffd")))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        out = self.text[self.emitted : upto]
+        self.emitted = upto
+        return out
+
+
+def decode(
+    adapter: ModelAdapter,
+    first_logits: torch.Tensor,
+    cache: Any,
+    position: int,
+    params: SamplingParams,
+    cancel: threading.Event,
+    on_text: Callable[[str], None] | None = None,
+) -> Decoded:
+    """Generate after a prompt whose last logits are ``first_logits``; the next token sits at
+    ``position`` on ``cache`` (which grows)."""
+    sample = Sampler(params)
+    stream = TextStream(adapter.tokenizer, params.stop)
+    token = sample(first_logits)
+    first_at = time.perf_counter()
+    reason: FinishReason = "length"
+    while True:
+        if token in adapter.eos_ids:
+            reason = "stop"
+            break
+        delta = stream.push(token)
+        if delta and on_text is not None:
+            on_text(delta)
+        if stream.stopped:
+            reason = "stop"
+            break
+        if len(stream.tokens) >= params.max_tokens:
+            break
+        if cancel.is_set():
+            reason = "cancelled"
+            break
+        token = sample(adapter.decode_step(token, cache, position))
+        position += 1
+    tail = stream.flush() if not stream.stopped else ""
+    if tail and on_text is not None:
+        on_text(tail)
+    return Decoded(stream.text, stream.tokens, reason, first_at)

@@ -1,0 +1,145 @@
+"""What one request may ask of the server, and the body-size gate that runs before anything else.
+
+Every limit is checked before the input it bounds is decoded: the body size from Content-Length
+and again while the body streams in (``BodyLimitMiddleware``, before any JSON parsing), counts of
+messages, images and videos from the parsed request (before any image is decoded), bytes and
+pixels of each image from its header (``tools/media.py``), and a video's bytes, duration and
+frame size from its container metadata (``tools/video.py``).
+
+Not here: authentication, queueing (``runtime.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request and per-server bounds; every field must be positive.
+
+    max_body_bytes: request body; max_messages: chat messages; max_images: images per request
+    (``image_url`` parts, or image observations of a step); max_image_bytes / max_image_pixels:
+    each image, checked from its header; max_videos: ``video_url`` parts per request;
+    max_video_bytes / max_video_seconds: each video, from its metadata; max_frames: sampled
+    frames per request, all videos together; video_fps: sampling rate; frame_max_pixels /
+    frame_min_pixels: each frame's size after resizing; max_prompt_tokens: a chat prompt after
+    the template; max_tokens / default_max_tokens: generated tokens (cap / when not given);
+    queue_size: requests admitted to wait for the model beside the one running;
+    max_sessions / session_idle_s: live agent sessions and how long an idle one lives;
+    max_session_tokens: a session's window budget; max_observations: per step; drain_s: how
+    long shutdown waits for running requests.
+    """
+
+    max_body_bytes: int = 32 << 20
+    max_messages: int = 256
+    max_images: int = 16
+    max_image_bytes: int = 16 << 20
+    max_image_pixels: int = 16_000_000
+    max_videos: int = 2
+    max_video_bytes: int = 64 << 20
+    max_video_seconds: float = 600.0
+    max_frames: int = 32
+    video_fps: float = 1.0
+    frame_max_pixels: int = 448 * 448
+    frame_min_pixels: int = 56 * 56
+    max_prompt_tokens: int = 16384
+    max_tokens: int = 1024
+    default_max_tokens: int = 256
+    queue_size: int = 32
+    max_sessions: int = 64
+    session_idle_s: float = 900.0
+    max_session_tokens: int = 32768
+    max_observations: int = 64
+    drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"limit {f.name} must be positive, got {getattr(self, f.name)!r}")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens exceeds max_tokens")
+        if self.frame_min_pixels > self.frame_max_pixels:
+            raise ValueError("frame_min_pixels exceeds frame_max_pixels")
+
+
+def _error_body(message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413 before the app reads a byte of them.
+
+    A declared Content-Length over the cap is refused at once; otherwise the body is read up to
+    the cap (a chunked or lying client is cut off as soon as it passes it) and replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await _reply(send, 400, "Content-Length is not a number", "bad_content_length")
+                return
+            if size > self.max_bytes:
+                await _reply(
+                    send, 413, f"request body of {size} bytes exceeds {self.max_bytes}", "body_too_large"
+                )
+                return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await _reply(send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send: Send, status: int, message: str, code: str) -> None:
+    body = _error_body(message, code)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def limit_fields() -> list[tuple[str, type, Any]]:
+    """(name, type, default) of every limit, for building CLI options and reading the environment."""
+    out = []
+    for f in fields(ServerLimits):
+        default = f.default
+        out.append((f.name, type(default), default))
+    return out

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one app, on a registry of its own (never the global one).
+
+Counters, not ratios: a dashboard derives reuse rates from them. Request-side counters are
+incremented by the app; the store's per-tier counters, the vision encoder's calls, live
+sessions and the queue are read from the runtime when scraped.
+
+Not here: what the counters mean for the store (``cache/store/stats.py`` documents them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.server.runtime import Runtime
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STORE_COUNTERS = ("hits", "misses", "bytes_written", "bytes_read", "evictions", "promotions", "demotions")
+
+
+class RuntimeCollector(Collector):
+    """Reads the runtime's own counters at scrape time."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.runtime.store.stats()
+        for name in STORE_COUNTERS:
+            family = CounterMetricFamily(
+                f"kamera_store_{name}", f"Store {name.replace('_', ' ')} per tier", labels=["tier"]
+            )
+            for tier in stats.tiers:
+                family.add_metric([tier.tier], getattr(tier, name))
+            yield family
+        in_use = GaugeMetricFamily("kamera_store_bytes_in_use", "Bytes held per store tier", labels=["tier"])
+        budget = GaugeMetricFamily("kamera_store_budget_bytes", "Byte budget per store tier", labels=["tier"])
+        entries = GaugeMetricFamily("kamera_store_entries", "Entries per store tier", labels=["tier"])
+        for tier in stats.tiers:
+            in_use.add_metric([tier.tier], tier.bytes_in_use)
+            budget.add_metric([tier.tier], tier.budget_bytes)
+            entries.add_metric([tier.tier], tier.entries)
+        yield in_use
+        yield budget
+        yield entries
+        yield CounterMetricFamily(
+            "kamera_vision_encoder_calls",
+            "Vision encoder runs (one per image not already encoded)",
+            value=int(getattr(self.runtime.adapter, "vision_encoder_calls", 0)),
+        )
+        yield CounterMetricFamily(
+            "kamera_sessions_expired",
+            "Sessions dropped after idling",
+            value=self.runtime.sessions.expired_total,
+        )
+        yield GaugeMetricFamily("kamera_sessions", "Live agent sessions", value=len(self.runtime.sessions))
+        yield GaugeMetricFamily(
+            "kamera_queue_jobs",
+            "Model jobs admitted (running and waiting)",
+            value=self.runtime.worker.pending,
+        )
+
+
+class Metrics:
+    def __init__(self, runtime: Runtime) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kamera_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("kamera_prompt_tokens", "Chat prompt tokens", registry=r)
+        self.completion_tokens = Counter("kamera_completion_tokens", "Generated tokens", registry=r)
+        self.reused_tokens = Counter(
+            "kamera_prompt_tokens_reused",
+            "Chat prompt tokens reused: by exact prefix, or by content (relocated)",
+            ["how"],
+            registry=r,
+        )
+        self.prefilled_tokens = Counter(
+            "kamera_prompt_tokens_prefilled", "Chat prompt tokens prefilled", registry=r
+        )
+        self.rotated_tokens = Counter(
+            "kamera_tokens_rotated", "Reused tokens moved by rotation", ["endpoint"], registry=r
+        )
+        self.lost_entries = Counter(
+            "kamera_prompt_cache_lost_entries", "Planned reuse whose store entry was gone", registry=r
+        )
+        self.session_steps = Counter("kamera_session_steps", "Agent session steps", registry=r)
+        self.session_tokens = Counter(
+            "kamera_session_tokens", "Session step tokens, reused or prefilled", ["how"], registry=r
+        )
+        self.rejected = Counter(
+            "kamera_rejected_requests", "Requests refused before running", ["reason"], registry=r
+        )
+        self.cancelled = Counter("kamera_cancelled_requests", "Requests whose client went away", registry=r)
+        self.ttft = Histogram(
+            "kamera_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kamera_queue_wait_seconds", "Time waiting for the model thread", buckets=TTFT_BUCKETS, registry=r
+        )
+        r.register(RuntimeCollector(runtime))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
