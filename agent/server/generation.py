@@ -93,7 +93,8 @@ class TextStream:
         return self._take(safe)
 
     def flush(self) -> str:
-        return self._take(len(self.text.rstrip("\ufffd")))
+        """The held-back tail at the end of generation (an incomplete character stays as U+FFFD)."""
+        return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
         if upto <= self.emitted:

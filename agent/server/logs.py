@@ -22,7 +22,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        out.update(
+            {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("color_")}
+        )
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)

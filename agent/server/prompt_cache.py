@@ -1,10 +1,14 @@
 """Content-addressed prompt reuse across chat requests.
 
 A request's prompt (``chat.render``) becomes *planning units*: one per text token and one per
-image, whose id is derived from the image's content key, so an image is atomic and two images
-never look alike. The planner (``cache/planner.py``) cuts the units at piece boundaries and by
-content-defined chunking, matches the exact prefix in its radix tree, then looks up each later
-chunk by content. Execution walks the plan in order:
+image, so an image is atomic. An image's unit id is interned from its content key: ids above the
+vocabulary, handed out once and never reused (when they run out the indexes start afresh), so
+two different images never share an id. (The CDC hash tables ids up to the largest one, which
+rules out using the content hash itself as the id.)
+
+The planner (``cache/planner.py``) cuts the units at piece boundaries and by content-defined
+chunking, matches the exact prefix in its radix tree, then looks up each later chunk by content.
+Execution walks the plan in order:
 
 - a reused chunk (prefix hit, or relocated hit moved by δ) takes its KV from the store, pre-RoPE,
   and is rotated to its start in this prompt; no forward pass, no vision encoder;
@@ -31,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -45,8 +49,6 @@ from cache.keys import Namespace, token_key
 from cache.layout import ChunkKV
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
-
-IMAGE_UNIT = 1 << 62  # image units are ids >= this; text token ids never reach it
 
 
 class NoImagesError(ValueError):
@@ -99,11 +101,7 @@ def _text_input(parts: list[torch.Tensor]) -> ChunkInput:
     return TextInput(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
-def image_unit(content_key: str) -> int:
-    return IMAGE_UNIT + int(content_key[:15], 16)
-
-
-def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece]) -> Prompt:
+def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece], image_unit: Callable[[str], int]) -> Prompt:
     """Pieces to model inputs (images preprocessed, not encoded) and planning units."""
     inputs: list[ChunkInput] = []
     units: list[int] = []
@@ -230,6 +228,27 @@ class PromptCache:
         self.radix = RadixTree(self.config.planner.eviction)
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners: OrderedDict[str, Planner] = OrderedDict()
+        vocab = getattr(getattr(adapter, "model", None), "get_input_embeddings", lambda: None)()
+        size = int(getattr(vocab, "num_embeddings", 1 << 20))
+        self._image_base = 1 << max(16, size.bit_length())
+        self._image_ids: dict[str, int] = {}
+
+    def image_unit(self, content_key: str) -> int:
+        """The planning id of an image: one per distinct content key, never reused."""
+        unit = self._image_ids.get(content_key)
+        if unit is None:
+            if len(self._image_ids) >= self._image_base:  # ids used up: forget every index entry
+                self.reset()
+            unit = self._image_base + len(self._image_ids)
+            self._image_ids[content_key] = unit
+        return unit
+
+    def reset(self) -> None:
+        """Empty the indexes (store entries stay until evicted, unreachable)."""
+        self.radix = RadixTree(self.config.planner.eviction)
+        self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
+        self._planners.clear()
+        self._image_ids.clear()
 
     def namespace(self, tenant_salt: str) -> Namespace:
         info = self.adapter.info

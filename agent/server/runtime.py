@@ -211,7 +211,8 @@ class Runtime:
         """Render, plan and prefill the prompt, generate, then store its new chunks."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            prompt = build_prompt(self.adapter, render(self.adapter.tokenizer, messages))
+            pieces = render(self.adapter.tokenizer, messages)
+            prompt = build_prompt(self.adapter, pieces, self.prompt_cache.image_unit)
             if prompt.n_tokens > self.limits.max_prompt_tokens:
                 raise PromptTooLongError(
                     f"the prompt has {prompt.n_tokens} tokens, over max_prompt_tokens="
