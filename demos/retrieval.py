@@ -35,7 +35,8 @@ class Retrieval(Protocol):
     ``question``: the question's embedding ``[hidden]`` (strategies that ignore it accept None).
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def select(self, frames: Sequence[FrameRecord], k: int, question: torch.Tensor | None) -> list[int]: ...
 

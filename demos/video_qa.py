@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,6 +41,8 @@ from demos.retrieval import RETRIEVALS, FrameRecord, make_retrieval
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 TINY = "tiny"
+# FFmpeg renders any text file as ANSI-art video through its tty demuxer; that is not a video.
+TEXT_FORMATS = frozenset({"tty"})
 
 
 class UsageError(ValueError):
@@ -57,7 +59,7 @@ class ByteTokenizer:
     3..258 the bytes. The tiny model's vision ids (508..511) are never produced from text.
     """
 
-    SPECIAL: dict[str, int] = {"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
+    SPECIAL: ClassVar[dict[str, int]] = {"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
     _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL) + ")")
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
@@ -208,7 +210,8 @@ class VideoSession:
             if k >= self.args.frames_per_question or used + f.n_tokens > room:
                 break
             k, used = k + 1, used + f.n_tokens
-        chosen = [candidates[i] for i in self.retrieval.select(candidates, k, self.question_embedding(q.question))]
+        picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
+        chosen = [candidates[i] for i in picked]
         q.recalled_times = self._bring_in(chosen)
         window = [v for v in self.cm.view() if v.kind == "frame"]
         q.frame_times = [float(v.meta["t"]) for v in window]
@@ -337,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tools.video import SamplingConfig, iter_frames, plan_sampling, probe_video
+    from tools.video import NotAVideoError, SamplingConfig, iter_frames, plan_sampling, probe_video
 
     if args.budget <= 0 or args.frames_per_question <= 0 or args.max_new_tokens <= 0:
         raise UsageError("--budget, --frames-per-question and --max-new-tokens must be positive")
@@ -349,6 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise UsageError(str(e)) from None
     info = probe_video(args.video)
+    if info.format_name in TEXT_FORMATS:
+        raise NotAVideoError(f"{args.video}: a text file (FFmpeg's {info.format_name} demuxer), not a video")
     plan = plan_sampling(info, sampling)
     if args.threads:
         torch.set_num_threads(args.threads)

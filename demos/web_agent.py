@@ -4,8 +4,8 @@ Each step takes one screenshot of a headless Chromium page (``tools/browser.py``
 window, asks the model for one action in the grammar of ``agent/policies.py`` (policy
 ``action``), parses it, and executes it. The window keeps the last ``--keep`` screenshots; older
 ones slide out to the store. A screenshot seen before is never encoded again: if it is still the
-latest chunk nothing is added, if it slid out it is recalled (canonical KV + patch, rotated),
-and if it sits earlier in the window it is moved to the end the same way. The vision encoder
+latest screenshot in the window nothing is added, if it slid out it is recalled (canonical KV +
+patch, rotated), and if it sits earlier in the window it is moved to the end the same way. The vision encoder
 therefore runs once per distinct screenshot over the whole run.
 
 An answer that does not parse is reported and asked again (``--retries`` times in a row) before
@@ -99,7 +99,8 @@ class WebSession:
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
         cid = self.adapter.chunk_key(chunk, self.cm.config.tenant_salt)
         view = self.cm.view()
-        if view[-1].chunk_id == cid:
+        seen = [v.chunk_id for v in view if v.kind == SCREENSHOT]
+        if seen and seen[-1] == cid:  # the page did not change: the latest screenshot stands
             source = "present"
         elif cid in self.cm.evicted:
             self.cm.recall(cid)
@@ -110,7 +111,9 @@ class WebSession:
             source = "moved"
         else:
             if chunk.n_tokens + view[0].n_tokens > self.args.budget:
-                raise UsageError(f"a screenshot is {chunk.n_tokens} tokens: --budget {self.args.budget} is too small")
+                raise UsageError(
+                    f"a screenshot is {chunk.n_tokens} tokens: --budget {self.args.budget} is too small"
+                )
             self.cm.append(chunk, {"kind": SCREENSHOT, "url": url, "step": step})
             source = "appended"
         shots = [i for i, v in enumerate(self.cm.view()) if v.kind == SCREENSHOT]
@@ -304,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kamera web-agent", description="Act on web pages from screenshots.")
     p.add_argument("--start-url", required=True, help="http(s) URL to open first")
     p.add_argument("--task", required=True, help="what the agent should do")
-    p.add_argument("--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: agent/models/world_vl)")
+    p.add_argument(
+        "--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: agent/models/world_vl)"
+    )
     p.add_argument("--policy", type=Path, help="script.json: a JSON list of actions replayed in order")
     p.add_argument("--no-model", action="store_true", help="with --policy: do not run the model")
     p.add_argument("--keep", type=int, default=3, help="screenshots kept in the window (3)")

@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("av")
+
+from demos.retrieval import FrameRecord, make_retrieval
+from demos.video_qa import ByteTokenizer, clock, main, parse_time, schedule
+from tools.video import counter_frames, write_video
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """10 s of distinct counter frames at 4 fps; sampled at 2 fps that is 20 frames."""
+    path = tmp_path_factory.mktemp("video") / "counter.mp4"
+    write_video(path, counter_frames(40, 160, 120), fps=4)
+    return path
+
+
+def _frames(n: int) -> list[FrameRecord]:
+    return [FrameRecord(f"id{i}", float(i), 10, torch.eye(n)[i]) for i in range(n)]
+
+
+def test_retrieval_strategies() -> None:
+    frames = _frames(10)
+    assert make_retrieval("recent").select(frames, 3, None) == [7, 8, 9]
+    assert make_retrieval("even").select(frames, 4, None) == [0, 3, 6, 9]
+    assert make_retrieval("even").select(frames, 20, None) == list(range(10))
+    question = torch.eye(10)[2] + 0.5 * torch.eye(10)[7]
+    assert make_retrieval("similarity").select(frames, 2, question) == [2, 7]
+    with pytest.raises(ValueError, match="choose from"):
+        make_retrieval("nearest")
+
+
+def test_times_and_schedule() -> None:
+    assert parse_time("00:01:30") == parse_time("1:30") == parse_time("90") == 90.0
+    assert clock(90) == "01:30"
+    assert clock(2.5) == "00:02.5"
+    for bad in ("soon", "1:-2", "1:2:3:4"):
+        with pytest.raises(ValueError, match="not a time"):
+            parse_time(bad)
+
+    class Args:
+        question = ("a", "b")
+        at = ("0:05",)
+
+    asked = schedule(Args())  # type: ignore[arg-type]
+    assert [q.at for q in asked] == [5.0, None]
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer()
+    ids = tok("<|im_start|>user\nhé<|im_end|>")["input_ids"]
+    assert ids[0] == 2
+    assert ids[-1] == 1
+    assert tok.decode(ids) == "user\nhé"
+
+
+def test_video_qa_end_to_end(video: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = main(
+        [str(video), "--model", "tiny", "--fps", "2", "--budget", "400", "--frames-per-question", "4",
+         "-q", "What is shown?", "--at", "00:03", "-q", "What changed?", "--compare",
+         "--max-new-tokens", "4", "--json", str(out), "--quiet", "--threads", "1"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    for key in ("frames_sampled", "distinct_frames", "vision_encoder_calls", "tokens_reused", "questions",
+                "reprefill_ttft_ms", "total_s", "reencode_total_s"):  # fmt: skip
+        assert key in report, key
+    assert report["frames_sampled"] == 20
+    assert report["distinct_frames"] == 20
+    assert report["vision_encoder_calls"] == report["distinct_frames"]
+    assert report["window"]["chunks_evicted"] > 0  # the window slid
+    assert report["tokens_reused"] > 0
+    first, last = report["questions"]
+    assert set(first) >= {"question", "answer", "ttft_ms", "frame_times"}
+    assert max(first["frame_times"]) <= 3.0  # asked at 00:03: nothing later was seen yet
+    assert last["asked_at_s"] == max(last["frame_times"]) > 9
+    assert min(last["frame_times"]) == 0.0  # "even" brought the first frame back by recall
+    assert last["recalled_times"]
+    assert report["window"]["patches_applied"] >= len(last["recalled_times"])
+    assert report["reprefill_ttft_ms"] > 0
+    assert report["reencode_total_s"] > 0
+    assert report["reencode_vision_encoder_calls"] == len(
+        set(first["frame_times"]) | set(last["frame_times"])
+    )
+
+
+def test_similarity_retrieval_runs(video: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = main(
+        [str(video), "--model", "tiny", "--nframes", "8", "--budget", "300", "--retrieval", "similarity",
+         "--frames-per-question", "2", "-q", "Which frame?", "--max-new-tokens", "2", "--json", str(out),
+         "--quiet", "--threads", "1"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["vision_encoder_calls"] == report["distinct_frames"] == 8
+    assert len(report["questions"][0]["frame_times"]) >= 2
+
+
+@pytest.mark.parametrize("kind", ["garbage", "text", "image", "missing", "truncated"])
+def test_bad_inputs_exit_2_without_traceback(
+    kind: str, video: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"{kind}.mp4"
+    if kind == "garbage":
+        path.write_bytes(bytes(range(256)) * 64)
+    elif kind == "text":
+        path = tmp_path / "notes.txt"
+        path.write_text("not a video\n" * 100)
+    elif kind == "image":
+        from PIL import Image
+
+        path = tmp_path / "still.png"
+        Image.new("RGB", (64, 48), (200, 30, 30)).save(path)
+    elif kind == "truncated":
+        path.write_bytes(video.read_bytes()[: video.stat().st_size // 3])
+    code = main([str(path), "--model", "tiny", "-q", "what?", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("kamera video-qa: error:")
+    assert "Traceback" not in err
+
+
+def test_bad_options_exit_2(video: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(video), "-q", "a", "--at", "later", "--model", "tiny"]) == 2
+    assert main([str(video), "-q", "a", "--at", "1", "--at", "2", "--model", "tiny"]) == 2
+    assert main([str(video), "--model", "tiny"]) == 2  # no question: argparse
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.models import WORLD_VL_DIR
+
+    if any(WORLD_VL_DIR.glob("*.safetensors")):
+        pytest.skip("the world_vl checkpoint is present")
+    assert main([str(video), "-q", "what?", "--quiet", "--nframes", "2"]) == 2
+    assert "--model" in capsys.readouterr().err
