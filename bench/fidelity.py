@@ -255,19 +255,35 @@ def _patch_configs(
     return out
 
 
+class Reference(NamedTuple):
+    """The full prefill: post-RoPE context KV ``[L, H, N, D]``, each chunk's conditioned KV
+    (pre-RoPE) and its in-context prefill time in seconds."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    conditioned: list[ChunkKV]
+    prefill_s: list[float]
+
+
+def reference_pass(adapter: ModelAdapter, prompt: Prompt) -> Reference:
+    """Prefill the pinned prefix, then each chunk in order on the same cache."""
+    cache = adapter.prefill(adapter.text(prompt.prefix), adapter.empty_cache(), 0).cache
+    conditioned, prefill_s = [], []
+    for start, chunk in zip(prompt.starts, prompt.chunks, strict=True):
+        t0 = time.perf_counter()
+        conditioned.append(adapter.prefill(adapter.text(chunk), cache, start).kv)
+        prefill_s.append(time.perf_counter() - t0)
+    k, v = _layers_kv(cache, adapter.info.n_layers)
+    return Reference(k, v, conditioned, prefill_s)
+
+
 def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: FidelityConfig) -> ItemResult:
     """Every method on one item, for each canonical mode."""
     prompt = build_prompt(codec, item, config)
     n_layers, p = adapter.info.n_layers, int(prompt.prefix.numel())
     starts, lengths = prompt.starts, [int(c.numel()) for c in prompt.chunks]
 
-    cache = adapter.prefill(adapter.text(prompt.prefix), adapter.empty_cache(), 0).cache
-    conditioned, prefill_s = [], []
-    for start, chunk in zip(starts, prompt.chunks, strict=True):
-        t0 = time.perf_counter()
-        conditioned.append(adapter.prefill(adapter.text(chunk), cache, start).kv)
-        prefill_s.append(time.perf_counter() - t0)
-    k_ref, v_ref = _layers_kv(cache, n_layers)
+    k_ref, v_ref, conditioned, prefill_s = reference_pass(adapter, prompt)
     prefix_kv = (k_ref[:, :, :p].clone(), v_ref[:, :, :p].clone())
     _, ref_answer = run_tail(adapter, k_ref, v_ref, prompt, [], config.max_new_tokens)
     ref_logits, _ = run_tail(adapter, k_ref, v_ref, prompt, ref_answer, 0)

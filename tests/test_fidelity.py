@@ -1,0 +1,179 @@
+"""The fidelity harness on tiny random models: reference, exact limits of every method, loaders, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.adapters.base import ModelAdapter
+from agent.adapters.tiny import tiny_adapter
+from bench.fidelity import (
+    Codec,
+    FidelityConfig,
+    build_prompt,
+    evaluate_item,
+    exact_match,
+    main,
+    reference_pass,
+    run_tail,
+    token_f1,
+)
+from bench.fidelity_data import QAItem, in_split, load_items
+
+ITEM = QAItem(
+    "x",
+    ("The Rhine rises in the Alps.", "It flows to the North Sea.", "Rotterdam lies at its mouth."),
+    "Where does the Rhine end?",
+    ("the North Sea",),
+)
+
+
+@pytest.fixture(scope="module")
+def llama() -> ModelAdapter:
+    return tiny_adapter("llama-gqa")
+
+
+def test_reference_equals_direct_prefill(llama: ModelAdapter) -> None:
+    codec = Codec(None)
+    prompt = build_prompt(codec, ITEM, FidelityConfig(max_chunk_tokens=20))
+    ref = reference_pass(llama, prompt)
+    direct = llama.prefill(llama.text(prompt.context), llama.empty_cache(), 0)
+    k = torch.stack([lay.keys[0] for lay in direct.cache.layers])
+    v = torch.stack([lay.values[0] for lay in direct.cache.layers])
+    torch.testing.assert_close(ref.k, k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.v, v, atol=1e-5, rtol=1e-5)
+    n = int(prompt.context.numel())
+    logits, _ = run_tail(llama, ref.k, ref.v, prompt, [], 0)
+    tail = llama.prefill(llama.text(prompt.tail), direct.cache, n).logits
+    torch.testing.assert_close(logits, tail, atol=1e-4, rtol=1e-4)
+
+
+def test_exact_limits_of_every_method(llama: ModelAdapter) -> None:
+    config = FidelityConfig(
+        ranks=(1000,),
+        budgets=(200.0,),
+        cacheblend=(100.0,),
+        epic=(1000,),
+        canonical=("after-prefix", "alone"),
+        max_chunk_tokens=20,
+        max_new_tokens=3,
+    )
+    result = evaluate_item(llama, Codec(None), ITEM, config)
+    for mode in ("after-prefix", "alone"):
+        recs = result.methods[mode]
+        assert max(recs["prefix"].kl) < 1e-9
+        assert max(recs["blind"].kl) > 1e-6
+        for name in ("patch-r1000", "patch-budget-200", "patch-budget-r1000", "cacheblend-100"):
+            assert max(recs[name].kl) < 1e-5, (mode, name, max(recs[name].kl))
+            assert min(recs[name].top1) == 1.0
+        assert recs["cacheblend-100"].recompute == 1.0
+    # EPIC leaves the first chunk as reused: exact when that chunk was encoded after the prefix
+    assert max(result.methods["after-prefix"]["epic-1000"].kl) < 1e-5
+    assert max(result.methods["after-prefix"]["blind"].k_err[1:]) > 0.0
+    # after the prefix, the first chunk's canonical KV is its conditioned KV: Δ is zero there
+    assert len(result.deficit["alone"]) == llama.info.n_layers
+
+
+def test_answer_scores() -> None:
+    assert exact_match("The North Sea.", ["north sea"]) == 1.0
+    assert token_f1("the north", ["North Sea"]) == pytest.approx(2 * 0.5 / 1.5)
+    assert token_f1("", ["x"]) == 0.0
+
+
+def test_jsonl_loader(tmp_path: Path) -> None:
+    path = tmp_path / "items.jsonl"
+    rows = [
+        {"id": "a", "chunks": ["one", "two"], "question": "q?", "answer": "one"},
+        {"id": "b", "chunks": ["three"], "question": "r?", "answer": None},
+        {"id": "c", "chunks": ["four"], "question": "s?", "answers": ["x", "y"]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    items = load_items(path)
+    assert [i.id for i in items] == ["a", "b", "c"]
+    assert items[0].chunks == ("one", "two")
+    assert items[0].answers == ("one",)
+    assert items[1].answers == ()
+    assert items[2].answers == ("x", "y")
+    assert [i.id for i in load_items(path, "dev")] == ["a", "c"]
+    assert [i.id for i in load_items(path, "test")] == ["b"]
+    assert len(load_items(path, limit=1)) == 1
+    assert in_split(4, "dev")
+    assert in_split(5, "test")
+    assert not in_split(5, "dev")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["cacheblend_musique_s_150.json", "hipporag_musique_train_100.json", "hipporag_hotpotqa_train_100.json"],
+)
+def test_multihop_loaders(shared_data: Path, name: str) -> None:
+    path = shared_data / "multihop_qa" / name
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    raw = json.loads(path.read_text())
+    dev, test = load_items(path, "dev", max_chunks=4), load_items(path, "test", max_chunks=4)
+    assert len(dev) == (len(raw) + 1) // 2
+    assert len(test) == len(raw) // 2
+    for item in dev[:10] + test[:10]:
+        assert 1 <= len(item.chunks) <= 4
+        assert item.question
+        assert item.answers
+    if name.startswith("hipporag_musique"):
+        # supporting paragraphs are always kept
+        first = raw[0]
+        gold = [p["paragraph_text"] for p in first["paragraphs"] if p["is_supporting"]]
+        assert all(any(g in c for c in dev[0].chunks) for g in gold)
+    assert load_items(path, "test", limit=1)[0].question == raw[1]["question"]
+
+
+def test_cli_end_to_end(tmp_path: Path) -> None:
+    data = tmp_path / "items.jsonl"
+    rows = [
+        {
+            "id": str(i),
+            "chunks": ["alpha beta gamma", "delta epsilon", "zeta eta"],
+            "question": "q?",
+            "answer": "x",
+        }
+        for i in range(3)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out, plots = tmp_path / "fid.json", tmp_path / "plots"
+    argv = ["--model", "tiny:llama-gqa", "--data", str(data), "--split", "all", "--limit", "2"]
+    argv += [
+        "--ranks",
+        "2,4",
+        "--budgets",
+        "6",
+        "--max-new-tokens",
+        "2",
+        "--json",
+        str(out),
+        "--plots",
+        str(plots),
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["items"] == 2
+    assert set(report["reference"]) == {"em", "f1"}
+    names = {"blind", "prefix", "patch-r2", "patch-r4", "patch-budget-6", "cacheblend-15", "epic-16"}
+    assert names <= set(report["methods"])
+    keys = {
+        "kl_median",
+        "kl_mean",
+        "top1",
+        "answer_agreement",
+        "em",
+        "f1",
+        "bytes_ratio",
+        "apply_ms",
+        "fit_ms",
+    }
+    for m in report["methods"].values():
+        assert keys <= set(m)
+    assert set(report["canonical"]) == {"after-prefix", "alone"}
+    assert (plots / "fidelity_pareto.png").is_file()
+    assert (plots / "fidelity_deficit.png").is_file()

@@ -1,0 +1,101 @@
+"""Selective recompute (CacheBlend, EPIC) against a full prefill on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.adapters.base import ModelAdapter
+from agent.adapters.tiny import tiny_adapter
+from agent.recompute import DeviationSelection, FixedSelection, first_tokens, selective_recompute
+from tests._util import max_rel
+
+PREFIX, CHUNK = 6, 14
+
+
+@pytest.fixture(scope="module")
+def llama() -> ModelAdapter:
+    return tiny_adapter("llama-gqa")
+
+
+def _setup(
+    adapter: ModelAdapter,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [N]; reference K, V from one prefill; blind K, V (prefix exact, chunks encoded alone)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 500, (PREFIX + 3 * CHUNK,), generator=g)
+    ref = adapter.prefill(adapter.text(ids), adapter.empty_cache(), 0).cache
+    k_ref = torch.stack([lay.keys[0] for lay in ref.layers])
+    v_ref = torch.stack([lay.values[0] for lay in ref.layers])
+    ks, vs = [k_ref[:, :, :PREFIX]], [v_ref[:, :, :PREFIX]]
+    for start in range(PREFIX, ids.numel(), CHUNK):
+        k, v = adapter.encode(adapter.text(ids[start : start + CHUNK])).place(start, adapter.spec)
+        ks.append(k)
+        vs.append(v)
+    return ids, k_ref, v_ref, torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def test_full_selection_equals_prefill(llama: ModelAdapter) -> None:
+    ids, k_ref, v_ref, k, v = _setup(llama)
+    positions = torch.arange(ids.numel())
+    assert max_rel(k, k_ref) > 1e-2  # blind reuse is far off
+    for sel in (
+        FixedSelection(torch.arange(ids.numel())),
+        DeviationSelection(1.0, torch.arange(ids.numel())),
+    ):
+        out = selective_recompute(llama, ids, positions, k, v, sel)
+        assert max_rel(out.k, k_ref) < 1e-5
+        assert max_rel(out.v, v_ref) < 1e-5
+
+
+def test_cacheblend_all_chunk_tokens_equals_prefill(llama: ModelAdapter) -> None:
+    ids, k_ref, v_ref, k, v = _setup(llama)
+    sel = DeviationSelection(1.0, torch.arange(PREFIX, ids.numel()))
+    out = selective_recompute(llama, ids, torch.arange(ids.numel()), k, v, sel)
+    torch.testing.assert_close(out.k, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.v, v_ref, atol=1e-5, rtol=1e-5)
+    assert out.selected.tolist() == list(range(PREFIX, ids.numel()))
+
+
+def test_epic_whole_chunks_equals_prefill(llama: ModelAdapter) -> None:
+    ids, k_ref, v_ref, k, v = _setup(llama)
+    # the first chunk right after the prefix, encoded alone, differs; EPIC leaves it as reused
+    k[:, :, PREFIX : PREFIX + CHUNK] = k_ref[:, :, PREFIX : PREFIX + CHUNK]
+    v[:, :, PREFIX : PREFIX + CHUNK] = v_ref[:, :, PREFIX : PREFIX + CHUNK]
+    starts = [PREFIX + CHUNK, PREFIX + 2 * CHUNK]
+    picked = first_tokens(starts, [CHUNK, CHUNK], 100)
+    out = selective_recompute(llama, ids, torch.arange(ids.numel()), k, v, FixedSelection(picked))
+    torch.testing.assert_close(out.k, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.v, v_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_partial_selection_keeps_the_others(llama: ModelAdapter) -> None:
+    ids, _, _, k, v = _setup(llama)
+    sel = DeviationSelection(0.25, torch.arange(PREFIX, ids.numel()))
+    out = selective_recompute(llama, ids, torch.arange(ids.numel()), k, v, sel)
+    assert out.selected.numel() == sel.count == round(0.25 * 3 * CHUNK)
+    assert int(out.selected.min()) >= PREFIX
+    others = torch.ones(ids.numel(), dtype=torch.bool)
+    others[out.selected] = False
+    # from the selection layer on, tokens not chosen keep their reused KV exactly
+    assert torch.equal(out.k[1:, :, others], k[1:, :, others])
+    assert torch.equal(out.v[1:, :, others], v[1:, :, others])
+    assert not torch.equal(out.v[1:, :, out.selected], v[1:, :, out.selected])
+
+
+def test_first_tokens() -> None:
+    assert first_tokens([3, 10], [5, 2], 3).tolist() == [3, 4, 5, 10, 11]
+    assert first_tokens([], [], 3).numel() == 0
+
+
+def test_rejects_bad_input(llama: ModelAdapter) -> None:
+    with pytest.raises(ValueError, match="ratio"):
+        DeviationSelection(1.5, torch.arange(3))
+    ids, _, _, k, v = _setup(llama)
+    with pytest.raises(ValueError, match="disagree"):
+        selective_recompute(
+            llama, ids[:-1], torch.arange(ids.numel() - 1), k, v, FixedSelection(torch.arange(2))
+        )
+    mla = tiny_adapter("deepseek-mla")
+    with pytest.raises(TypeError, match="GQA"):
+        selective_recompute(mla, ids, torch.arange(ids.numel()), k, v, FixedSelection(torch.arange(2)))
