@@ -246,9 +246,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     except ValueError as e:
         raise UsageError(f"--viewport/--allow: {e}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     script = Script(args.policy) if args.policy else None
     if script is None and args.no_model:
         raise UsageError("--no-model needs a scripted --policy")
+    try:
+        browser_cm = Browser(args.start_url, config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     session = None if args.no_model else WebSession(load_vl_adapter(args.model), args)
     run_dir = args.out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     shots = run_dir / "screenshots"
@@ -257,10 +265,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     from playwright.sync_api import Error as PlaywrightError
 
-    try:
-        browser_cm = Browser(args.start_url, config)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     with browser_cm as browser:
         start = browser.start_result
         last: str | None = None
@@ -321,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--viewport", default="1280x800", help="WIDTHxHEIGHT (1280x800)")
     p.add_argument("--out", type=Path, help="run folder (default runs/<timestamp>)")
     p.add_argument("--json", type=Path, help="write a machine-readable summary here")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
     return p
 
 
