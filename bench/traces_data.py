@@ -118,6 +118,23 @@ def load_jsonl(path: Path) -> list[Session]:
     return out
 
 
+def mini_swe_agent_usage(folder: Path, split: Split = "all") -> list[tuple[int, int]]:
+    """``(prompt_tokens, cached_tokens)`` the provider reported for each model call of the
+    mini-swe-agent runs (DeepSeek's own prefix cache), same files and split as the loader."""
+    out = []
+    for p in _sorted_files(folder, "*.traj.json", split):
+        for m in json.loads(p.read_text())["messages"]:
+            usage = (
+                ((m.get("extra") or {}).get("response") or {}).get("usage")
+                if m.get("role") == "assistant"
+                else None
+            )
+            if usage and usage.get("prompt_tokens"):
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                out.append((int(usage["prompt_tokens"]), int(cached)))
+    return out
+
+
 SOURCES: dict[str, Callable[[Path, Split], list[Session]]] = {
     "tau_bench": lambda root, s: load_tau_bench(root / "agent_traces" / "tau_bench_gpt-4o-airline.json", s),
     "swe_agent": lambda root, s: load_swe_agent(root / "agent_traces" / "swe_agent", s),
@@ -261,12 +278,17 @@ class Tokenized(NamedTuple):
 Tokenizer = Callable[[Sequence[Message]], Tokenized]
 
 
-def render_message(m: Message) -> str:
-    """ChatML-style text of one message, tool calls included."""
+def message_body(m: Message) -> str:
+    """The text a message shows the model: its content, then its tool calls as JSON."""
     body = "" if m.get("content") is None else str(m["content"])
     if m.get("tool_calls"):
         body += "\n<tool_call>" + json.dumps(m["tool_calls"], sort_keys=True, default=str) + "</tool_call>"
-    return f"<|im_start|>{m.get('role', 'user')}\n{body}<|im_end|>\n"
+    return body
+
+
+def render_message(m: Message) -> str:
+    """ChatML-style text of one message, tool calls included."""
+    return f"<|im_start|>{m.get('role', 'user')}\n{message_body(m)}<|im_end|>\n"
 
 
 class MessageTokenizer:
@@ -337,6 +359,7 @@ class RequestStat(NamedTuple):
     content: int  # tokens reused by prefix or content
     oracle: int  # tokens in a window seen earlier in the session
     plan_ms: float  # chunking + lookup
+    stored: int = 0  # tokens of chunks this request added to the content store
 
 
 class PolicyResult(NamedTuple):
@@ -348,6 +371,7 @@ class PolicyResult(NamedTuple):
     oracle_hit_rate: float
     recovered_of_oracle: float  # (content - prefix) / (oracle - prefix); nan when nothing to recover
     p50_plan_ms: float
+    store_tokens: int = 0  # tokens of the distinct chunks the content store holds, all sessions
 
 
 NAMESPACE = Namespace(model="trace-replay", dtype="none")
@@ -365,8 +389,20 @@ def replay_session(
         plan = planner.plan(tok.ids, tok.message_starts)
         ms = (time.perf_counter() - t0) * 1e3
         by = plan.tokens_by_status()
+        new = {
+            c.key: c.n_tokens
+            for c in plan.chunks
+            if c.status != "relocated-hit" and c.key not in planner.index
+        }
         stats.append(
-            RequestStat(len(tok.ids), by["prefix-hit"], plan.reused_tokens, oracle.covered(tok.ids), ms)
+            RequestStat(
+                len(tok.ids),
+                by["prefix-hit"],
+                plan.reused_tokens,
+                oracle.covered(tok.ids),
+                ms,
+                sum(new.values()),
+            )
         )
         planner.commit(plan, tok.ids, f"{session.id}/{step}")
         oracle.add(tok.ids)
@@ -381,7 +417,8 @@ def summarize(policy: str, stats: Iterable[RequestStat]) -> PolicyResult:
     )
     recovered = (content - prefix) / (oracle - prefix) if oracle > prefix else float("nan")
     p50 = float(np.median([r.plan_ms for r in s])) if s else float("nan")
-    return PolicyResult(policy, len(s), total, prefix, content, oracle, recovered, p50)
+    stored = sum(r.stored for r in s)
+    return PolicyResult(policy, len(s), total, prefix, content, oracle, recovered, p50, stored)
 
 
 def evaluate(
