@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,9 @@ from cache.cdc import CDCConfig
 from cache.planner import PlannerConfig
 from cache.store import StoreConfig
 
-DOC = " ".join(f"Fact {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} marbles." for i in range(24))
+DOC = " ".join(
+    f"Fact {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} marbles." for i in range(24)
+)
 
 
 def tiny_config(model: str = "tiny:qwen2.5-vl", **kw: Any) -> RuntimeConfig:
@@ -36,7 +39,9 @@ def tiny_config(model: str = "tiny:qwen2.5-vl", **kw: Any) -> RuntimeConfig:
         model=model,
         limits=limits,
         store=StoreConfig(host_bytes=128 << 20),
-        prompt_cache=PromptCacheConfig(planner=PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128))),
+        prompt_cache=PromptCacheConfig(
+            planner=PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128))
+        ),
         **kw,
     )
 
@@ -100,7 +105,11 @@ def test_text_completion_with_openai_client(client: Any) -> None:
 def test_seeded_sampling_repeats(client: Any) -> None:
     def sample(seed: int) -> str:
         r = client.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": "Pick."}], max_tokens=8, temperature=1.0, seed=seed
+            model="x",
+            messages=[{"role": "user", "content": "Pick."}],
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed,
         )
         return str(r.choices[0].message.content)
 
@@ -110,7 +119,13 @@ def test_seeded_sampling_repeats(client: Any) -> None:
 def test_image_data_url_runs_encoder_once(client: Any) -> None:
     url = png_data_url(1)
     messages = [
-        {"role": "user", "content": [{"type": "text", "text": "What is here?"}, {"type": "image_url", "image_url": {"url": url}}]}
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is here?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
     ]
     first = client.chat.completions.create(model="x", messages=messages, max_tokens=3, temperature=0)
     assert kamera(first)["vision_encoder_calls"] == 1
@@ -137,14 +152,21 @@ def test_streaming_with_openai_client_and_httpx(base_url: str, client: Any) -> N
     assert finishes[-1] in ("stop", "length")
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens <= 6
-    body = {"messages": [{"role": "user", "content": "Stream please."}], "max_tokens": 6, "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Stream please."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     text = "".join(
-        json.loads(line[6:])["choices"][0]["delta"].get("content", "") for line in lines[:-1] if line.startswith("data: ")
+        json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+        for line in lines[:-1]
+        if line.startswith("data: ")
     )
     plain = httpx.post(base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
     assert text == plain["choices"][0]["message"]["content"]
@@ -169,7 +191,10 @@ def test_cached_tokens_grow_when_content_moves(client: Any) -> None:
     def ask(first_line: str, salt: str) -> Any:
         return client.chat.completions.create(
             model="x",
-            messages=[{"role": "system", "content": f"{first_line}\n{DOC}"}, {"role": "user", "content": "How many?"}],
+            messages=[
+                {"role": "system", "content": f"{first_line}\n{DOC}"},
+                {"role": "user", "content": "How many?"},
+            ],
             max_tokens=2,
             temperature=0,
             extra_body={"cache_salt": salt},
@@ -182,7 +207,9 @@ def test_cached_tokens_grow_when_content_moves(client: Any) -> None:
     assert warm.usage.prompt_tokens > cold.usage.prompt_tokens
     assert report["relocated_tokens"] > 0.8 * len(DOC.encode())
     assert report["rotated_tokens"] >= report["relocated_tokens"]
-    assert warm.usage.prompt_tokens_details.cached_tokens == report["prefix_tokens"] + report["relocated_tokens"]
+    assert (
+        warm.usage.prompt_tokens_details.cached_tokens == report["prefix_tokens"] + report["relocated_tokens"]
+    )
     assert report["prefilled_tokens"] < 0.2 * warm.usage.prompt_tokens
     other_tenant = ask("Now: 2026-12-02 13:45:07 UTC, request 118", "someone-else")
     assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
@@ -196,7 +223,15 @@ def test_video_url_frames_are_image_chunks(client: Any, tmp_path: Path) -> None:
     url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
     resp = client.chat.completions.create(
         model="x",
-        messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]}],  # type: ignore[misc, list-item]
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
         max_tokens=2,
         temperature=0,
     )
@@ -205,25 +240,35 @@ def test_video_url_frames_are_image_chunks(client: Any, tmp_path: Path) -> None:
 
 def test_sessions_slide_recall_and_window(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=60) as h:
-        r = h.post("/v1/sessions", json={"system_prompt": "You watch and answer.", "budget_tokens": 2000, "max_tokens": 3})
+        r = h.post(
+            "/v1/sessions",
+            json={"system_prompt": "You watch and answer.", "budget_tokens": 2000, "max_tokens": 3},
+        )
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         assert [c["kind"] for c in r.json()["chunks"]] == ["prefix"]
         first = h.post(
             f"/v1/sessions/{sid}/steps",
-            json={"observations": [{"type": "text", "text": "The key is under the mat."}], "instruction": "Where?"},
+            json={
+                "observations": [{"type": "text", "text": "The key is under the mat."}],
+                "instruction": "Where?",
+            },
         )
         assert first.status_code == 200, first.text
         text_id = first.json()["chunk_ids"][0]
         second = h.post(
             f"/v1/sessions/{sid}/steps",
-            json={"observations": [{"type": "image", "image_url": png_data_url(7), "label": "a photo"}], "instruction": "Seen?"},
+            json={
+                "observations": [{"type": "image", "image_url": png_data_url(7), "label": "a photo"}],
+                "instruction": "Seen?",
+            },
         )
         assert second.status_code == 200, second.text
         assert second.json()["report"]["vision_encoder_calls"] == 1
         assert second.json()["report"]["tokens_reused"] > 0
         slid = h.post(
-            f"/v1/sessions/{sid}/steps", json={"operations": [{"op": "slide", "n": 1}], "instruction": "And now?"}
+            f"/v1/sessions/{sid}/steps",
+            json={"operations": [{"op": "slide", "n": 1}], "instruction": "And now?"},
         )
         assert slid.status_code == 200, slid.text
         window = h.get(f"/v1/sessions/{sid}").json()
@@ -231,7 +276,10 @@ def test_sessions_slide_recall_and_window(base_url: str) -> None:
         assert text_id not in [c["chunk_id"] for c in window["chunks"]]
         recalled = h.post(
             f"/v1/sessions/{sid}/steps",
-            json={"operations": [{"op": "recall", "chunk_id": text_id, "at": 1}], "instruction": "Where was the key?"},
+            json={
+                "operations": [{"op": "recall", "chunk_id": text_id, "at": 1}],
+                "instruction": "Where was the key?",
+            },
         )
         assert recalled.status_code == 200, recalled.text
         assert recalled.json()["report"]["tokens_rotated"] > 0
@@ -241,7 +289,7 @@ def test_sessions_slide_recall_and_window(base_url: str) -> None:
         assert chunks[1]["source"] in ("canonical+patch", "canonical")
         starts = [c["start"] for c in chunks]
         assert starts == sorted(starts)
-        assert all(b["start"] == a["start"] + a["extent"] for a, b in zip(chunks, chunks[1:], strict=False))
+        assert all(b["start"] == a["start"] + a["extent"] for a, b in itertools.pairwise(chunks))
         assert window["steps"] == 4
         bad = h.post(
             f"/v1/sessions/{sid}/steps",

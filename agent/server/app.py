@@ -325,8 +325,6 @@ def create_app(runtime: Runtime) -> FastAPI:
         metrics.lost_entries.inc(u.lost_entries)
         metrics.queue_wait.observe(started - arrival)
         metrics.ttft.labels("chat").observe(started - arrival + outcome.ttft_s)
-        if outcome.decoded.finish_reason == "cancelled":
-            metrics.cancelled.inc()
         return S.CacheReport(
             prefix_tokens=u.prefix_tokens,
             relocated_tokens=u.relocated_tokens,
@@ -493,9 +491,10 @@ def create_app(runtime: Runtime) -> FastAPI:
                         yield f"data: {json.dumps(data)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-            finally:
-                if not task.done():
+            finally:  # the client went away (or the response was cut): stop the job
+                if not task.done() and not cancel.is_set():
                     cancel.set()
+                    metrics.cancelled.inc()
 
         return StreamingResponse(
             sse(),
