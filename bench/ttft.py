@@ -1,0 +1,310 @@
+"""``kamera bench ttft``: time to first token of an agent session, three ways, side by side.
+
+A session fills a window with chunks (text paragraphs on SmolLM2; images on the random-weight
+Qwen2.5-VL), then runs steps that append, slide, reorder and recall, each followed by a question.
+Every step is answered three ways in the same run:
+
+- ``reprefill``: the whole window and the question prefilled from scratch (the vision encoder
+  runs again for every image);
+- ``prefix``: the longest run of leading chunks unchanged since an earlier step is reused as is
+  (a radix cache over the earlier windows); everything after it is prefilled again (images in
+  that part re-encoded);
+- ``kamera``: the window operation on the context manager (rotation, patches, assembly) and
+  the question's prefill only. Canonical encodes and patch fits run after the answer and are
+  reported apart (``finalize_ms``), as they are off the path to the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.context import ContextManager, WindowConfig
+from cache.store import StoreConfig, TieredStore
+
+OPS = ("append", "slide", "reorder", "recall", "append")
+
+
+@dataclass
+class Window:
+    """The reference list of chunk inputs, mirrored from the context manager's view."""
+
+    ids: list[str]
+    inputs: dict[str, ChunkInput]
+
+    def chunks(self) -> list[ChunkInput]:
+        return [self.inputs[i] for i in self.ids]
+
+
+def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> list[ChunkInput]:
+    """Real paragraphs (the multi-hop QA data when present, else repeated demo text)."""
+    from pathlib import Path
+
+    from bench.traces_data import data_root
+
+    paragraphs: list[str] = []
+    path = Path(data) if data else data_root() / "multihop_qa" / "hipporag_musique_train_100.json"
+    if path.is_file():
+        for item in json.loads(path.read_text())[::2]:  # dev half only
+            paragraphs += [p["title"] + ". " + p["paragraph_text"] for p in item["paragraphs"]]
+    if not paragraphs:
+        from demos.reorder import DOCUMENTS
+
+        paragraphs = DOCUMENTS
+    out, buf = [], []
+    for p in paragraphs:
+        buf += adapter.tokenizer(p + "\n", add_special_tokens=False)["input_ids"]
+        while len(buf) >= tokens and len(out) < n:
+            out.append(adapter.text(buf[:tokens]))
+            buf = buf[tokens:]
+        if len(out) == n:
+            break
+    return out
+
+
+def image_pool(adapter: ModelAdapter, n: int, side: int) -> list[ChunkInput]:
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+        draw = ImageDraw.Draw(img)
+        for _ in range(8):
+            x, y = rng.randrange(side), rng.randrange(side)
+            draw.rectangle((x, y, x + side // 5, y + side // 6), fill=tuple(rng.randrange(256) for _ in range(3)))
+        draw.text((4, 4), str(i), fill=(0, 0, 0))
+        out.append(adapter.image(img))  # type: ignore[attr-defined]
+    return out
+
+
+def first_token(adapter: ModelAdapter, question: TextInput, cache: Any, start: int) -> tuple[int, float]:
+    t = time.perf_counter()
+    logits = adapter.prefill(question, cache, start).logits[-1]
+    return int(logits.argmax()), time.perf_counter() - t
+
+
+def forget_images(adapter: ModelAdapter) -> None:
+    """Empty the vision feature cache, so the next image prefill runs the encoder as a baseline would."""
+    features = getattr(adapter, "_features", None)
+    if features is not None:
+        features.clear()
+
+
+def reprefill(adapter: ModelAdapter, prefix: ChunkInput, window: list[ChunkInput], q: TextInput) -> tuple[int, float]:
+    forget_images(adapter)
+    t = time.perf_counter()
+    cache = adapter.empty_cache()
+    start = 0
+    chunks = [prefix, *window]
+    if all(isinstance(c, TextInput) for c in chunks):  # one prefill of the whole prompt
+        chunks = [adapter.text(torch.cat([c.ids for c in chunks]))]
+    for c in chunks:
+        start += adapter.prefill(c, cache, start).kv.extent
+    tok, _ = first_token(adapter, q, cache, start)
+    return tok, time.perf_counter() - t
+
+
+class PrefixCache:
+    """Exact-prefix reuse over earlier windows: the longest common leading run of chunk ids."""
+
+    def __init__(self, adapter: ModelAdapter, keep: int = 6) -> None:
+        self.adapter, self.keep = adapter, keep
+        self.entries: list[tuple[list[str], Any, list[int]]] = []  # ids, cache, cumulative extents
+
+    def run(self, prefix: ChunkInput, ids: list[str], window: list[ChunkInput], q: TextInput) -> tuple[int, float, int]:
+        import copy
+
+        forget_images(self.adapter)
+        t = time.perf_counter()
+        best, best_len = None, 0
+        for entry in self.entries:
+            n = 0
+            while n < min(len(entry[0]), len(ids)) and entry[0][n] == ids[n]:
+                n += 1
+            if n > best_len:
+                best, best_len = entry, n
+        chunks = [prefix, *window]
+        if best is None:
+            cache, start, done = self.adapter.empty_cache(), 0, 0
+        else:
+            cache = copy.deepcopy(best[1])
+            start = best[2][best_len - 1]
+            cache.crop(self.adapter.cache_length(cache) - (best[2][-1] - start))
+            done = best_len
+        extents = [] if best is None else list(best[2][:best_len])
+        for c in chunks[done:]:
+            start += self.adapter.prefill(c, cache, start).kv.extent
+            extents.append(start)
+        snapshot = copy.deepcopy(cache)
+        tok, _ = first_token(self.adapter, q, cache, start)
+        elapsed = time.perf_counter() - t
+        self.entries = [*self.entries[-(self.keep - 1) :], (["prefix", *ids], snapshot, extents)]
+        return tok, elapsed, sum(c.n_tokens for c in chunks[done:])
+
+
+def run_session(
+    adapter: ModelAdapter, pool: list[ChunkInput], prefix: ChunkInput, question: TextInput, budget: int,
+    rope_kernel: str, log: Callable[[str], None],
+) -> dict[str, Any]:
+    store = TieredStore.from_config(StoreConfig(host_bytes=8 << 30))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=budget, rope_kernel=rope_kernel), prefix)
+    inputs = {adapter.chunk_key(c): c for c in pool}
+    order = list(inputs)
+    fill, rest = [], order
+    while rest and cm.tokens + inputs[rest[0]].n_tokens + question.n_tokens <= budget:
+        cm.append(inputs[rest[0]])
+        fill.append(rest.pop(0))
+    cm.finalize()
+    prefix_cache = PrefixCache(adapter)
+    prefix_cache.run(prefix, [v.chunk_id for v in cm.view()[1:]], [inputs[v.chunk_id] for v in cm.view()[1:]], question)
+    steps = []
+    calls = {"reprefill": 0, "prefix": 0, "kamera": 0}
+    prefilled = {"reprefill": 0, "prefix": 0, "kamera": 0}
+    unique_images: set[str] = {cm.view()[i].chunk_id for i in range(1, len(cm.view()))}
+    for op in OPS:
+        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        pre0 = cm.counters.tokens_prefilled
+        t = time.perf_counter()
+        if op == "append":
+            new = rest.pop(0)
+            cm.append(inputs[new], {"kind": "chunk"})
+            unique_images.add(new)
+        elif op == "slide":
+            cm.slide(1)
+        elif op == "reorder":
+            ids = [v.chunk_id for v in cm.view()[1:]]
+            random.Random(1).shuffle(ids)
+            cm.reorder(ids)
+        else:
+            cm.recall(cm.evicted[0], at=1)
+        while cm.tokens + question.n_tokens > budget:
+            cm.slide(1)
+        cache = cm.cache()
+        op_s = time.perf_counter() - t
+        tok_k, q_s = first_token(adapter, question, cache, cm.next_start)
+        kamera_s = op_s + q_s
+        cm.invalidate()  # the question is not part of the window
+        calls["kamera"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        prefilled["kamera"] += cm.counters.tokens_prefilled - pre0 + question.n_tokens
+        t = time.perf_counter()
+        cm.finalize()
+        finalize_s = time.perf_counter() - t
+
+        ids = [v.chunk_id for v in cm.view()[1:]]
+        window = [inputs[i] for i in ids]
+        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        tok_r, reprefill_s = reprefill(adapter, prefix, window, question)
+        calls["reprefill"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        prefilled["reprefill"] += cm.tokens + question.n_tokens
+        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        tok_p, prefix_s, n_pre = prefix_cache.run(prefix, ids, window, question)
+        calls["prefix"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        prefilled["prefix"] += n_pre + question.n_tokens
+        step = {
+            "op": op,
+            "window_tokens": cm.tokens,
+            "ttft_ms": {"reprefill": 1000 * reprefill_s, "prefix": 1000 * prefix_s, "kamera": 1000 * kamera_s},
+            "kamera_overhead_ms": 1000 * op_s,
+            "kamera_question_prefill_ms": 1000 * q_s,
+            "finalize_ms": 1000 * finalize_s,
+            "first_token_same": {"prefix": tok_p == tok_r, "kamera": tok_k == tok_r},
+            "sources": [str(v.source) for v in cm.view()],
+        }
+        steps.append(step)
+        log(f"  {op:8s} window {cm.tokens:5d}  reprefill {1000 * reprefill_s:8.0f} ms  prefix {1000 * prefix_s:8.0f} ms"
+            f"  kamera {1000 * kamera_s:7.0f} ms")
+    return {"steps": steps, "vision_encoder_calls": calls, "prefilled_tokens": prefilled,
+            "unique_images": len(unique_images)}
+
+
+def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
+    moves = [s for s in steps if s["op"] in ("slide", "reorder", "recall")] or steps
+    total = {m: sum(s["ttft_ms"][m] for s in moves) for m in ("reprefill", "prefix", "kamera")}
+    return {
+        "ratio_reprefill_over_kamera": total["reprefill"] / total["kamera"],
+        "ratio_prefix_over_kamera": total["prefix"] / total["kamera"],
+        "kamera_overhead_over_question_prefill": sum(s["kamera_overhead_ms"] for s in steps)
+        / sum(s["kamera_question_prefill_ms"] for s in steps),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kamera bench ttft", description=__doc__)
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--sizes", default="1024,2048", help="window budgets in tokens (SmolLM2)")
+    parser.add_argument("--vl-sizes", default="1024", help="window budgets for the Qwen2.5-VL image session")
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--image-side", type=int, default=224)
+    parser.add_argument("--rope-kernel", default="eager", choices=["eager", "compiled"])
+    parser.add_argument("--models", default="smollm2,qwen2.5-vl")
+    parser.add_argument("--data", default=None, help="multi-hop QA JSON for the text chunks")
+    args = parser.parse_args(argv)
+    console = Console()
+    report: dict[str, Any] = {"runs": [], "steps": []}
+    models = args.models.split(",")
+    if "smollm2" in models:
+        from agent.adapters.loading import load_adapter
+
+        smol = load_adapter()
+        tok = smol.tokenizer
+        prefix = smol.text(tok("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")["input_ids"])
+        question = smol.text(tok("Question: which of these documents mentions a date?<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+        for size in (int(s) for s in args.sizes.split(",")):
+            n = size // args.chunk_tokens + 4
+            pool = text_pool(smol, n, args.chunk_tokens, args.data)
+            console.print(f"[bold]smollm2[/] window {size} tokens, {len(pool)} chunks of {args.chunk_tokens}")
+            run = run_session(smol, pool, prefix, question, size, args.rope_kernel, console.print)
+            run.update({"model": "smollm2", "window": size, "summary": summarise(run["steps"])})
+            report["runs"].append(run)
+    if "qwen2.5-vl" in models:
+        from agent.adapters.tiny import tiny_adapter
+
+        vl = tiny_adapter("qwen2.5-vl")
+        prefix, question = vl.text(torch.arange(5, 25)), vl.text(torch.arange(40, 56))
+        for size in (int(s) for s in args.vl_sizes.split(",")):
+            pool = image_pool(vl, size // 60 + 4, args.image_side)
+            console.print(f"[bold]qwen2.5-vl (random weights)[/] window {size} tokens, {len(pool)} images")
+            run = run_session(vl, pool, prefix, question, size, args.rope_kernel, console.print)
+            run.update({"model": "qwen2.5-vl", "window": size, "summary": summarise(run["steps"])})
+            report["runs"].append(run)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["peak_rss_bytes"] = peak
+    first = report["runs"][0]
+    report["steps"] = first["steps"]
+    report["summary"] = {
+        **first["summary"],
+        "vision_encoder_calls": next((r["vision_encoder_calls"] for r in report["runs"] if r["model"] != "smollm2"),
+                                     first["vision_encoder_calls"]),
+        "unique_images": next((r["unique_images"] for r in report["runs"] if r["model"] != "smollm2"), 0),
+    }
+    for run in report["runs"]:
+        t = Table(title=f"{run['model']}, window {run['window']} tokens: time to first token (ms)")
+        for col in ("step", "op", "window", "reprefill", "prefix", "kamera", "kamera ops", "reprefill/kamera",
+                    "same first token"):
+            t.add_column(col, justify="right")
+        for i, s in enumerate(run["steps"]):
+            ms = s["ttft_ms"]
+            t.add_row(str(i), s["op"], str(s["window_tokens"]), f"{ms['reprefill']:.0f}", f"{ms['prefix']:.0f}",
+                      f"{ms['kamera']:.0f}", f"{s['kamera_overhead_ms']:.1f}", f"{ms['reprefill'] / ms['kamera']:.1f}",
+                      "yes" if s["first_token_same"]["kamera"] else "no")
+        console.print(t)
+        console.print(f"  summary {json.dumps({k: round(v, 2) for k, v in run['summary'].items()})}; vision encoder calls "
+                      f"{run['vision_encoder_calls']}; prefilled tokens {run['prefilled_tokens']}")
+    console.print(f"peak RSS {peak / 2**30:.2f} GiB")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"wrote {args.json_path}")
+    return 0
