@@ -275,6 +275,7 @@ class PromptCache:
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         steps, lost = self._steps(prompt, plan)
+        split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
         spec, kernel = self.adapter.spec, self.config.rope_kernel
         placed: list[tuple[torch.Tensor, torch.Tensor]] = []
         chunks: list[tuple[int, int, ChunkKV]] = []
@@ -320,6 +321,9 @@ class PromptCache:
             i = j + 1
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
+        if split and len(chunks) >= 2:  # store the split final chunk whole, under its planned key
+            (s0, _, kv0), (_, e1, kv1) = chunks[-2:]
+            chunks[-2:] = [(s0, e1, concat_kv([kv0, kv1]))]
         usage = PromptUsage(
             prompt_tokens=prompt.n_tokens,
             prefix_tokens=counts["prefix"],

@@ -1,0 +1,197 @@
+"""The prompt cache against full prefill on tiny random models; chat pieces; decoding helpers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from agent.adapters.base import ImageInput
+from agent.adapters.tiny import tiny_adapter
+from agent.server.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
+from agent.server.generation import Sampler, SamplingParams, TextStream, decode
+from agent.server.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
+from cache.cdc import CDCConfig
+from cache.planner import PlannerConfig
+from cache.store import StoreConfig, TieredStore
+
+DOC = " ".join(f"line {i} says {i * i}." for i in range(60))
+CONFIG = PromptCacheConfig(planner=PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128)))
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    adapter = tiny_adapter("llama-gqa")
+    adapter.tokenizer = ByteTokenizer()
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def qwen_vl() -> Any:
+    adapter = tiny_adapter("qwen2.5-vl")
+    adapter.tokenizer = ByteTokenizer()
+    return adapter
+
+
+def make_cache(adapter: Any) -> PromptCache:
+    return PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)), CONFIG)
+
+
+def prompt_of(pc: PromptCache, messages: list[Message]) -> Prompt:
+    return build_prompt(pc.adapter, render(pc.adapter.tokenizer, messages), pc.image_unit)
+
+
+def full_prefill_logits(adapter: Any, prompt: Prompt) -> torch.Tensor:
+    cache, pos, logits = adapter.empty_cache(), 0, None
+    for inp in prompt.inputs_between(0, len(prompt.units)):
+        out = adapter.prefill(inp, cache, pos)
+        pos, logits = pos + out.kv.extent, out.logits[-1]
+    assert logits is not None
+    return logits
+
+
+def chat(first: str, question: str = "What?") -> list[Message]:
+    return [Message("system", (f"{first}\n{DOC}",)), Message("user", (question,))]
+
+
+def test_exact_prefix_reuse_matches_full_prefill(llama: Any) -> None:
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Today"))
+    cold = pc.prepare(prompt)
+    pc.commit(cold)
+    assert cold.usage.cached_tokens == 0
+    assert cold.usage.prefilled_tokens == prompt.n_tokens
+    warm = pc.prepare(prompt)
+    assert warm.usage.prefix_tokens == prompt.n_tokens - 1  # the last token is always prefilled
+    reference = full_prefill_logits(llama, prompt)
+    torch.testing.assert_close(warm.logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_moved_content_is_relocated(llama: Any) -> None:
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    moved = prompt_of(pc, chat("Now: a much longer first line, which shifts all that follows"))
+    warm = pc.prepare(moved)
+    u = warm.usage
+    assert u.relocated_tokens > 0.8 * len(DOC)
+    assert u.rotated_tokens == u.relocated_tokens
+    assert u.prefix_tokens + u.relocated_tokens + u.prefilled_tokens == moved.n_tokens
+    # blind reuse changes the logits a little, not wholesale
+    reference = full_prefill_logits(llama, moved)
+    assert float((warm.logits - reference).abs().max()) < 0.1 * float(reference.abs().max())
+
+
+def test_lost_store_entries_are_prefilled_again(llama: Any) -> None:
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Again"))
+    pc.commit(pc.prepare(prompt))
+    for key in pc.store.keys(""):
+        pc.store.delete(key)
+    warm = pc.prepare(prompt)
+    assert warm.usage.lost_entries > 0
+    assert warm.usage.cached_tokens == 0
+    torch.testing.assert_close(warm.logits, full_prefill_logits(llama, prompt), atol=1e-4, rtol=1e-4)
+    pc.commit(warm)
+    assert pc.prepare(prompt).usage.prefix_tokens == prompt.n_tokens - 1
+
+
+def test_tenants_never_share(llama: Any) -> None:
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Shared"))
+    pc.commit(pc.prepare(prompt, "tenant-a"))
+    keys_a = set(pc.store.keys())
+    other = pc.prepare(prompt, "tenant-b")
+    assert other.usage.cached_tokens == 0
+    pc.commit(other)
+    assert not keys_a & (set(pc.store.keys()) - keys_a)
+    assert len(pc.store.keys()) == 2 * len(keys_a)
+
+
+def test_images_are_atomic_units_found_by_content(qwen_vl: Any) -> None:
+    pc = make_cache(qwen_vl)
+    rng = np.random.default_rng(0)
+    a, b = (Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for _ in range(2))
+    first = prompt_of(pc, [Message("user", ("look", a, "now"))])
+    assert first.n_images == 1
+    image = next(i for i in first.inputs if isinstance(i, ImageInput))
+    assert first.n_tokens == len(first.units) + image.n_tokens - 1
+    pc.commit(pc.prepare(first))
+    calls = qwen_vl.vision_encoder_calls
+    moved = pc.prepare(
+        prompt_of(pc, [Message("system", ("a new system prompt",)), Message("user", ("look", a, "now"))])
+    )
+    assert qwen_vl.vision_encoder_calls == calls  # relocated, not re-encoded
+    assert moved.usage.relocated_tokens >= image.n_tokens
+    other = pc.prepare(prompt_of(pc, [Message("user", ("look", b, "now"))]))
+    assert qwen_vl.vision_encoder_calls == calls + 1  # same size, other pixels: a miss
+    assert other.usage.cached_tokens < first.n_tokens - image.n_tokens
+
+
+def test_render_pieces_follow_the_template() -> None:
+    pieces = render(
+        ByteTokenizer(), [Message("system", ("sys",)), Message("user", ("hi", Image.new("RGB", (8, 8))))]
+    )
+    kinds = [(type(p).__name__, getattr(p, "template", None)) for p in pieces]
+    assert kinds == [
+        ("TextPiece", True),
+        ("TextPiece", False),
+        ("TextPiece", True),
+        ("TextPiece", False),
+        ("ImagePiece", None),
+        ("TextPiece", True),
+    ]
+    text = "".join(ByteTokenizer().decode(list(p.ids)) for p in pieces if isinstance(p, TextPiece))
+    assert text == "system\nsys\nuser\nhi\nassistant\n"  # markers are special ids, not text
+    assert isinstance(pieces[4], ImagePiece)
+
+
+def test_render_with_smollm2_template() -> None:
+    from agent.adapters.loading import ModelNotFoundError, resolve
+
+    try:
+        path = resolve(None)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    messages = [Message("user", ("Hello there",))]
+    ids = [i for p in render(tok, messages) if isinstance(p, TextPiece) for i in p.ids]
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(ids) == expected  # default system prompt included by the template
+
+
+def test_text_stream_holds_back_stop_prefixes() -> None:
+    tok = ByteTokenizer()
+    stream = TextStream(tok, ["END"])
+    out = "".join(stream.push(t) for t in tok.encode("abcEN"))
+    assert out == "abc"  # "EN" might become "END"
+    out += "".join(stream.push(t) for t in tok.encode("Dzz"))
+    assert stream.stopped
+    assert out == "abc"
+    assert stream.text == "abc"
+
+
+def test_sampler_is_seeded() -> None:
+    logits = torch.randn(512)
+    draws = [[Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for _ in range(3)] for s in (1, 1, 2)]
+    assert draws[0] == draws[1]
+    assert Sampler(SamplingParams(temperature=0.0))(logits) == int(logits.argmax())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=3.0)
+
+
+def test_decode_stops_when_cancelled(llama: Any) -> None:
+    pc = make_cache(llama)
+    prep = pc.prepare(prompt_of(pc, chat("x")))
+    cancel = threading.Event()
+    cancel.set()
+    out = decode(llama, prep.logits, prep.cache, prep.position, SamplingParams(max_tokens=50), cancel)
+    assert out.finish_reason in ("cancelled", "stop")
+    assert len(out.tokens) <= 1
