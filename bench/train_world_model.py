@@ -44,7 +44,7 @@ from transformers import (
 )
 
 from agent.models import WORLD_VL_DIR
-from demos.world import ANSWER_WORDS, Episode, Question, WorldConfig, episode_seed, make_episode
+from demos.world import ANSWER_WORDS, SLOTS, Episode, Question, WorldConfig, episode_seed, make_episode
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -114,9 +114,9 @@ class ModelSize:
 class TrainConfig:
     """One training run; everything that changes the result is here and seeded."""
 
-    steps: int = 1800
+    steps: int = 1100
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     warmup: int = 100
     weight_decay: float = 0.05
     grad_clip: float = 1.0
@@ -124,8 +124,11 @@ class TrainConfig:
     n_val: int = 48
     n_test: int = 200
     eval_every: int = 200
+    # One thread by default: on a 2-core machine shared with other jobs, two OpenMP threads made a
+    # step 5-10x slower than one (spinning at barriers); pass --threads 2 on an idle machine.
     threads: int = 1
-    max_minutes: float = 55.0
+    n_captions: int = 2
+    max_minutes: float = 50.0
     out_dir: str = str(WORLD_VL_DIR)
     log_dir: str = "docs"
     model: ModelSize = field(default_factory=ModelSize)
@@ -148,7 +151,7 @@ def vocabulary(cfg: WorldConfig) -> list[str]:
     for i in range(400):  # every template and word shows up well within this many episodes
         for q in make_episode(episode_seed("train", i), cfg).questions:
             words.update(q.text.split())
-    words |= {"user", "assistant", "system"}
+    words |= {"user", "assistant", "system", "describe", ","}
     return sorted(words)
 
 
@@ -292,13 +295,30 @@ def pixel_values(frames: Sequence[Image.Image], processor: Qwen2_5_VLProcessor) 
     return x.reshape(n * gh * gw, c * t * p * p).contiguous()
 
 
+def caption_questions(episode: Episode, rng: random.Random, n: int) -> list[Question]:
+    """Training-only turns ``describe frame k ?`` answered with every object of that frame.
+
+    The answer lists, in slot order, ``slot colour shape digit`` per object (``,`` between
+    objects). These dense targets teach the vision tower what is where far sooner than the sparse
+    one-word answers; they are never evaluated.
+    """
+    out = []
+    for k in rng.sample(range(1, len(episode.frames) + 1), min(n, len(episode.frames))):
+        objs = sorted(episode.states[k - 1], key=lambda o: SLOTS.index(o.slot))
+        answer = " , ".join(f"{o.slot} {o.colour} {o.shape} {o.digit}" for o in objs)
+        out.append(Question(f"describe frame {k} ?", answer, "single", (k,), "describe"))
+    return out
+
+
 def train_batch(
-    episodes: Sequence[Episode], processor: Qwen2_5_VLProcessor, rng: random.Random
+    episodes: Sequence[Episode], processor: Qwen2_5_VLProcessor, rng: random.Random, n_captions: int = 0
 ) -> dict[str, torch.Tensor]:
     """Model inputs for a batch of episodes, each with all its questions as shuffled turns.
 
-    Same tensors as ``processor(text=..., images=...)`` with right padding (checked in the tests),
-    plus ``labels`` on the answer tokens only.
+    ``n_captions`` caption turns (:func:`caption_questions`) follow the questions, never precede
+    them, so no answer can be copied from a caption. Same tensors as
+    ``processor(text=..., images=...)`` with right padding (checked in the tests), plus ``labels``
+    on the answer tokens only.
     """
     tok = processor.tokenizer
     ip = processor.image_processor
@@ -309,6 +329,7 @@ def train_batch(
     for ep in episodes:
         qs = list(ep.questions)
         rng.shuffle(qs)
+        qs += caption_questions(ep, rng, n_captions)
         text = processor.apply_chat_template(chat(ep, qs, with_answers=True), tokenize=False)
         texts.append(text.replace(processor.image_token, pads))
     tok.padding_side = "right"
@@ -426,6 +447,12 @@ def _plot(losses: list[float], evals: list[dict[str, Any]], path: Path) -> None:
 
 
 def _readme(cfg: TrainConfig, result: dict[str, Any]) -> str:
+    stop_note = (
+        "The run hit the --max-minutes limit before its last step, so the weights depend on how fast\n"
+        "the machine was; rerunning with the same seed and no time limit is deterministic.\n"
+        if result["steps_done"] < cfg.steps
+        else "Rerunning with the same seed gives the same weights on the same software stack.\n"
+    )
     return f"""# world_vl: a small Qwen2.5-VL trained on the synthetic video world
 
 Architecture: `Qwen2_5_VLForConditionalGeneration` ({result["parameters"]:,} parameters, float32).
@@ -438,10 +465,12 @@ Frames are {cfg.world.size}x{cfg.world.size} images: {(cfg.world.size // 28) ** 
 
 Trained with
 
-    python -m bench.train_world_model --steps {cfg.steps} --batch-size {cfg.batch_size} --seed {cfg.seed}
+    python -m bench.train_world_model --steps {cfg.steps} --batch-size {cfg.batch_size} --seed {cfg.seed} \\
+        --max-minutes {cfg.max_minutes:g} --threads {cfg.threads}
 
-(seed {cfg.seed}, {cfg.threads} CPU threads, {result["train_seconds"] / 60:.1f} minutes).
-
+(seed {cfg.seed}, {cfg.threads} CPU thread(s), {result["train_seconds"] / 60:.1f} minutes,
+{result["steps_done"]} of {cfg.steps} steps, {result["train_episodes"]} training episodes).
+{stop_note}
 Greedy test accuracy, full prefill, plain HF model, {cfg.n_test} test-split episodes:
 
 | kind | accuracy | questions |
@@ -499,7 +528,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 for j in range(cfg.batch_size)
             ]
             next_episode += cfg.batch_size
-            batch = train_batch(eps, processor, rng)
+            batch = train_batch(eps, processor, rng, cfg.n_captions)
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
             loss = model(**batch).loss
@@ -572,6 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--n-test", type=int, default=defaults.n_test)
     p.add_argument("--n-val", type=int, default=defaults.n_val)
     p.add_argument("--max-minutes", type=float, default=defaults.max_minutes)
+    p.add_argument("--n-captions", type=int, default=defaults.n_captions)
     p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--log-dir", default=defaults.log_dir)
@@ -585,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_test=a.n_test,
         n_val=a.n_val,
         threads=a.threads,
+        n_captions=a.n_captions,
         max_minutes=a.max_minutes,
         out_dir=a.out_dir,
         log_dir=a.log_dir,

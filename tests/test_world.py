@@ -193,6 +193,20 @@ def test_fast_batch_matches_processor() -> None:
     assert sorted(answers[0::2]) == sorted(q.answer for q in eps[0].questions)
 
 
+def test_captions_follow_the_questions() -> None:
+    from bench.train_world_model import build_processor, train_batch
+
+    processor = build_processor(WorldConfig())
+    ep = make_episode(episode_seed("train", 7))
+    batch = train_batch([ep], processor, random.Random(1), n_captions=2)
+    text = processor.tokenizer.decode(batch["input_ids"][0])
+    assert "[UNK]" not in text
+    last_question = max(text.index(q.text) for q in ep.questions)
+    captions = [m.start() for m in re.finditer("describe frame", text)]
+    assert len(captions) == 2
+    assert min(captions) > last_question
+
+
 needs_checkpoint = pytest.mark.skipif(
     not (WORLD_VL_DIR / "model.safetensors").is_file(), reason="world_vl checkpoint not present"
 )
