@@ -20,6 +20,7 @@ Not here: audio, seeking (the stream is decoded front to back), several videos i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -167,6 +168,7 @@ class VideoSession:
             WindowConfig(budget_tokens=args.budget),
             policy="text",
             max_new_tokens=args.max_new_tokens,
+            finalize=False,  # canonical KV and patches are fitted when a chunk slides out, not per answer
         )
         self.retrieval = make_retrieval(args.retrieval)
         self.frames: list[FrameRecord] = []
@@ -184,6 +186,7 @@ class VideoSession:
                 f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
                 "frame after the system prompt"
             )
+        self._make_room(chunk.n_tokens)
         self.cm.append(chunk, {"kind": "frame", "t": t})
         cid = self.cm.view()[-1].chunk_id
         self.inputs[cid] = chunk
@@ -191,6 +194,19 @@ class VideoSession:
         if self.retrieval.name == "similarity":  # a hit in the adapter's feature cache: no encoder run
             embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
         self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+
+    def _make_room(self, n_tokens: int) -> None:
+        """Slide out at least ``--evict-batch`` chunks once the window is full: survivors are
+        rotated and the live cache rebuilt once per batch rather than once per frame."""
+        excess = self.cm.tokens + n_tokens - self.args.budget
+        if excess <= 0:
+            return
+        view = self.cm.view()[1:]
+        count, freed = 0, 0
+        while freed < excess:
+            freed += view[count].n_tokens
+            count += 1
+        self.cm.slide(max(count, min(self.args.evict_batch, len(view))))
 
     def question_embedding(self, question: str) -> torch.Tensor | None:
         if self.retrieval.name != "similarity":
@@ -262,15 +278,16 @@ class VideoSession:
     def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
         """Each question answered from scratch on its window, vision encoder included."""
         t0 = time.perf_counter()
-        fresh = fresh_adapter(self.adapter)
-        answers = []
+        answers, calls = [], 0
         for q in asked:
+            fresh = fresh_adapter(self.adapter)  # from scratch: no features kept between questions
             chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
             _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
             answers.append(answer.strip())
+            calls += int(getattr(fresh, "vision_encoder_calls", 0))
         return {
             "reencode_total_s": time.perf_counter() - t0,
-            "reencode_vision_encoder_calls": int(getattr(fresh, "vision_encoder_calls", 0)),
+            "reencode_vision_encoder_calls": calls,
             "reencode_answers": answers,
             "reencode_same_answers": sum(a == q.answer for a, q in zip(answers, asked, strict=True)),
         }
@@ -315,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval", choices=sorted(RETRIEVALS), default="even", help="default: even")
     p.add_argument("--frames-per-question", type=int, default=8, help="frames a question looks at (8)")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--evict-batch", type=int, default=8, help="chunks slid out at once when full (8)")
     p.add_argument("--system", default=SYSTEM_PROMPT, help="system prompt")
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--fps", type=float, help="frames sampled per second (qwen-vl-utils default 2)")
@@ -342,8 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from tools.video import NotAVideoError, SamplingConfig, iter_frames, plan_sampling, probe_video
 
-    if args.budget <= 0 or args.frames_per_question <= 0 or args.max_new_tokens <= 0:
-        raise UsageError("--budget, --frames-per-question and --max-new-tokens must be positive")
+    if min(args.budget, args.frames_per_question, args.max_new_tokens, args.evict_batch) <= 0:
+        raise UsageError("--budget, --frames-per-question, --max-new-tokens and --evict-batch must be > 0")
     asked = schedule(args)
     try:
         sampling = SamplingConfig(
@@ -430,9 +448,30 @@ def _answer(session: VideoSession, q: Asked, now: float) -> float:
     return (time.perf_counter() - t0) - q.answer_ms / 1000
 
 
+def spans(times: Sequence[float]) -> str:
+    """Timestamps for people: runs of three or more at the sampling step become ``a-b (n)``."""
+    if not times:
+        return "none"
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
+    step = min(gaps, default=0.0) * 1.01
+    runs: list[list[float]] = [[times[0]]]
+    for t in times[1:]:
+        if 0 < t - runs[-1][-1] <= step:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    parts = []
+    for run in runs:
+        if len(run) >= 3:
+            parts.append(f"{clock(run[0])}-{clock(run[-1])} ({len(run)})")
+        else:
+            parts += [clock(t) for t in run]
+    return ", ".join(parts)
+
+
 def print_report(report: dict[str, Any]) -> None:
     for q in report["questions"]:
-        times = ", ".join(clock(t) for t in q["frame_times"]) or "none"
+        times = spans(q["frame_times"])
         print(f"[{clock(q['asked_at_s'])}] Q: {q['question']}")
         print(f"  A: {q['answer']!r}")
         print(f"  frames at {times}; ttft {q['ttft_ms']:.0f} ms")
