@@ -33,8 +33,6 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-import torch
-
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
@@ -125,7 +123,7 @@ class _Slot:
     context_key: str  # the antecedents it was prefilled after (its patch's key)
     meta: dict[str, Any]
     start: int = 0
-    placed: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (start, k rotated, v)
+    placed_start: int | None = None  # where its keys were last rotated to
     finalized: bool = False
 
 
@@ -158,7 +156,7 @@ class ContextManager:
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
-            _Slot(pid, prefix, out.kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, finalized=True)
+            _Slot(pid, prefix, out.kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, 0, 0, True)
         ]
         if self.tokens > config.budget_tokens:
             raise ValueError(
@@ -230,6 +228,8 @@ class ContextManager:
         slot.start = self.next_start
         if cache is None:  # moved by the slide: it now starts elsewhere than where it was computed
             slot.source = Source.ROTATED
+        else:
+            slot.placed_start = slot.start
         self._slots.append(slot)
         self._cache = cache
 
@@ -354,23 +354,30 @@ class ContextManager:
     # --- assembly -----------------------------------------------------------------------
 
     def cache(self) -> Any:
-        """The model cache holding the window, with every chunk rotated to its start."""
+        """The model cache holding the window, with every chunk rotated to its start.
+
+        Each chunk's keys are rotated straight into its slice of one window buffer (one pass
+        over the keys, one copy of the values); the model cache takes the buffers over.
+        """
         if self._cache is not None:
             return self._cache
         t0 = time.perf_counter()
-        placed = []
+        first = self._slots[0].kv
+        total = self.tokens
+        k_buf = first.k.new_empty((first.k.shape[0], first.k.shape[1], total, first.k.shape[3]))
+        v_buf = first.v.new_empty((first.v.shape[0], first.v.shape[1], total, first.v.shape[3]))
+        offset = 0
         for slot in self._slots:
-            if slot.placed is None or slot.placed[0] != slot.start:
-                k = rotate(
-                    slot.kv.k,
-                    slot.kv.placed_positions(slot.start),
-                    self.adapter.spec,
-                    self.config.rope_kernel,
-                )
-                slot.placed = (slot.start, k, slot.kv.v)
-                self.counters.tokens_rotated += slot.kv.n_tokens
-            placed.append((slot.placed[1], slot.placed[2]))
-        self._cache = self.adapter.assemble(placed)
+            n = slot.kv.n_tokens
+            positions = slot.kv.placed_positions(slot.start)
+            k_out = k_buf[:, :, offset : offset + n]
+            rotate(slot.kv.k, positions, self.adapter.spec, self.config.rope_kernel, out=k_out)
+            v_buf[:, :, offset : offset + n] = slot.kv.v
+            if slot.placed_start != slot.start:
+                self.counters.tokens_rotated += n
+                slot.placed_start = slot.start
+            offset += n
+        self._cache = self.adapter.cache_from(k_buf, v_buf)
         self.counters.assemblies += 1
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache

@@ -241,9 +241,11 @@ def _pair_views(x: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Te
     return x[..., 0:rd:2], x[..., 1:rd:2]
 
 
-def _rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+def _rotate_eager(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Four in-place passes over halves: no temporaries beyond the output."""
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     a, b = _pair_views(x, spec)
     oa, ob = _pair_views(out, spec)
     torch.mul(a, cos, out=oa)
@@ -255,7 +257,9 @@ def _rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: R
     return out
 
 
-def _rotate_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, interleaved: bool) -> torch.Tensor:
+def _rotate_math(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, interleaved: bool
+) -> torch.Tensor:
     """The same rotation written as one expression, for a compiler to fuse into a single pass."""
     h = rd // 2
     if interleaved:
@@ -271,36 +275,52 @@ def _rotate_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int,
 _COMPILED: list[Callable[..., torch.Tensor]] = []
 
 
-def _rotate_compiled(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+def _rotate_compiled(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """One fused read-rotate-write pass (Inductor). The first call per process compiles."""
     if not _COMPILED:
         _COMPILED.append(torch.compile(_rotate_math, dynamic=True))
-    return _COMPILED[0](x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved")
+    result = _COMPILED[0](x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved")
+    return result if out is None else out.copy_(result)
 
 
-KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RopeSpec], torch.Tensor]] = {
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RopeSpec, "torch.Tensor | None"], torch.Tensor]
+KERNELS: dict[str, Kernel] = {
     "eager": _rotate_eager,
     "compiled": _rotate_compiled,
 }
 
 
 def apply_rotation(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, kernel: str = "eager"
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    spec: RopeSpec,
+    kernel: str = "eager",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a, b) -> (a cos - b sin, b cos + a sin)`` on every pair; the kernel behind the rest.
 
     x: ``[..., T, D]`` with ``D >= rotary_dim``; cos, sin: float32, broadcastable to
     ``[..., T, rotary_dim // 2]``. ``kernel`` names an entry of :data:`KERNELS`: ``eager``
     (plain torch ops, no warm-up) or ``compiled`` (a fused single pass, compiled on first use).
-    Returns a new tensor of x's dtype; x is not modified.
+    Returns a new tensor of x's dtype, or writes into ``out`` (any strides, x's shape) and
+    returns it; x is not modified.
     """
     if x.shape[-1] < spec.rotary_dim:
         raise ValueError(f"feature dim {x.shape[-1]} is smaller than rotary_dim {spec.rotary_dim}")
     if kernel not in KERNELS:
         raise ValueError(f"unknown rotation kernel {kernel!r}; choose from {sorted(KERNELS)}")
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, x has {tuple(x.shape)}")
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-    out = KERNELS[kernel](xf, cos, sin, spec)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    if out is not None and out.dtype == torch.float32:
+        return KERNELS[kernel](xf, cos, sin, spec, out)
+    result = KERNELS[kernel](xf, cos, sin, spec, None)
+    if out is not None:
+        return out.copy_(result)
+    return result if result.dtype == x.dtype else result.to(x.dtype)
 
 
 def _check_tokens(x: torch.Tensor, positions: torch.Tensor) -> None:
@@ -311,13 +331,22 @@ def _check_tokens(x: torch.Tensor, positions: torch.Tensor) -> None:
         )
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec, kernel: str = "eager") -> torch.Tensor:
-    """Apply RoPE: pre-RoPE ``x [..., T, D]`` to the frame of ``positions`` (``[T]`` or ``[3, T]``)."""
+def rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    spec: RopeSpec,
+    kernel: str = "eager",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply RoPE: pre-RoPE ``x [..., T, D]`` to the frame of ``positions`` (``[T]`` or ``[3, T]``).
+
+    ``out``: write the result there (e.g. a chunk's slice of a window buffer) instead of a new tensor.
+    """
     _check_tokens(x, positions)
     cos, sin = cos_sin(positions.to(x.device), spec)
     if spec.attention_scaling != 1.0:
         cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
-    return apply_rotation(x, cos, sin, spec, kernel)
+    return apply_rotation(x, cos, sin, spec, kernel, out)
 
 
 def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

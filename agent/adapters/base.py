@@ -123,6 +123,10 @@ class ModelAdapter(ABC):
         """
 
     @abstractmethod
+    def cache_from(self, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """A model cache over whole-window buffers ``k [L, H, T, D]`` (post-RoPE) and ``v``."""
+
+    @abstractmethod
     def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
         """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
 

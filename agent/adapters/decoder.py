@@ -110,15 +110,25 @@ class DecoderAdapter(ModelAdapter):
         return (v, k) if self.family == "mla" else (k, v)
 
     def assemble(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        cache = self.empty_cache()
         if not placed:
-            return cache
-        # k, v: [L, H, T_i, D] per chunk -> per layer [1, H, sum T_i, D]
+            return self.empty_cache()
+        # k, v: [L, H, T_i, D] per chunk -> [L, H, sum T_i, D], one copy
         ks = torch.cat([k for k, _ in placed], dim=2) if len(placed) > 1 else placed[0][0].clone()
         vs = torch.cat([v for _, v in placed], dim=2) if len(placed) > 1 else placed[0][1].clone()
-        for layer, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            key, value = self._to_slots(k[None], v[None])
-            cache.layers[layer].update(key, value)  # type: ignore[union-attr]
+        return self.cache_from(ks, vs)
+
+    def cache_from(self, k: torch.Tensor, v: torch.Tensor) -> DynamicCache:
+        """A cache over window buffers ``k [L, H, T, D]`` (post-RoPE) and ``v``, without copying.
+
+        The cache takes the buffers over: the model's next forward appends to per-layer copies,
+        so the buffers themselves are never written.
+        """
+        cache = self.empty_cache()
+        for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
+            key, value = self._to_slots(kl[None], vl[None])
+            target = cache.layers[layer]
+            target.lazy_initialization(key, value)  # type: ignore[union-attr]
+            target.keys, target.values = key, value  # type: ignore[union-attr]
         return cache
 
     def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
