@@ -55,7 +55,8 @@ def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> l
 
     paragraphs: list[str] = []
     root = data_root()
-    path = Path(data) if data else (root / "multihop_qa" / "hipporag_musique_train_100.json" if root else None)
+    default = root / "multihop_qa" / "hipporag_musique_train_100.json" if root else None
+    path = Path(data) if data else default
     if path is not None and path.is_file():
         for item in json.loads(path.read_text())[::2]:  # dev half only
             paragraphs += [p["title"] + ". " + p["paragraph_text"] for p in item["paragraphs"]]
