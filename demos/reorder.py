@@ -34,7 +34,9 @@ QUESTION = "In which city was Marie Curie born?"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kamera demo", description=__doc__)
-    parser.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
+    parser.add_argument(
+        "--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)"
+    )
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--order", default="2,0,1", help="new order of the three documents")
     parser.add_argument("--max-new-tokens", type=int, default=12)
@@ -45,8 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     adapter = load_adapter(args.model)
     tok = adapter.tokenizer
-    console.print(f"[bold]model[/] {adapter.info.name} ({adapter.info.architecture}, {adapter.info.family}, "
-                  f"{adapter.info.n_layers} layers) loaded in {time.perf_counter() - t0:.1f} s")
+    console.print(
+        f"[bold]model[/] {adapter.info.name} ({adapter.info.architecture}, {adapter.info.family}, "
+        f"{adapter.info.n_layers} layers) loaded in {time.perf_counter() - t0:.1f} s"
+    )
 
     def ids(text: str) -> torch.Tensor:
         return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
@@ -90,8 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.add_column(col, justify="right")
     table.add_row("system prefix", str(prefix_kv.n_tokens), "0", "0", "0", "no (exact prefix)")
     for i in order:
-        table.add_row(f"document {i + 1}", str(encoded[i].n_tokens), str(original_start[i]), str(new_start[i]),
-                      f"{new_start[i] - original_start[i]:+d}", "no")
+        table.add_row(
+            f"document {i + 1}",
+            str(encoded[i].n_tokens),
+            str(original_start[i]),
+            str(new_start[i]),
+            f"{new_start[i] - original_start[i]:+d}",
+            "no",
+        )
     table.add_row("question", str(len(question)), "-", str(start), "-", "yes (prefilled)")
     console.print(table)
 
@@ -102,19 +112,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     ttft_full = 1000 * reference.first_token_s
     console.print(f"[bold]question[/] {args.question}")
     console.print(f"[bold]answer from relocated cache[/]  {answer_reused!r}")
-    console.print(f"[bold]answer from full re-prefill[/]  {answer_full!r}  "
-                  f"({'same' if reused.tokens == reference.tokens else 'different'})")
-    console.print(f"reused {reused_tokens} tokens by rotation, prefilled {len(question)} question tokens; "
-                  f"time to first token {ttft_reused:.0f} ms (assembly {assemble_ms:.1f} ms) against "
-                  f"{ttft_full:.0f} ms for the re-prefill of {len(full)} tokens")
-    console.print("[dim]Blind relocation drops what each document absorbed from those before it; "
-                  "conditioning patches restore it.[/]")
+    console.print(
+        f"[bold]answer from full re-prefill[/]  {answer_full!r}  "
+        f"({'same' if reused.tokens == reference.tokens else 'different'})"
+    )
+    console.print(
+        f"reused {reused_tokens} tokens by rotation, prefilled {len(question)} question tokens; "
+        f"time to first token {ttft_reused:.0f} ms (assembly {assemble_ms:.1f} ms) against "
+        f"{ttft_full:.0f} ms for the re-prefill of {len(full)} tokens"
+    )
+    console.print(
+        "[dim]Blind relocation drops what each document absorbed from those before it; "
+        "conditioning patches restore it.[/]"
+    )
     if args.json_path:
         report = {
-            "model": adapter.info.name, "order": order, "tokens_reused": reused_tokens,
-            "tokens_prefilled": len(question), "answer_relocated": answer_reused, "answer_reprefill": answer_full,
-            "same_answer": reused.tokens == reference.tokens, "ttft_ms_relocated": ttft_reused,
-            "ttft_ms_reprefill": ttft_full, "assemble_ms": assemble_ms, "encode_ms": encode_ms,
+            "model": adapter.info.name,
+            "order": order,
+            "tokens_reused": reused_tokens,
+            "tokens_prefilled": len(question),
+            "answer_relocated": answer_reused,
+            "answer_reprefill": answer_full,
+            "same_answer": reused.tokens == reference.tokens,
+            "ttft_ms_relocated": ttft_reused,
+            "ttft_ms_reprefill": ttft_full,
+            "assemble_ms": assemble_ms,
+            "encode_ms": encode_ms,
         }
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

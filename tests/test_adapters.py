@@ -22,7 +22,9 @@ def picture(seed: int, size: tuple[int, int] = (112, 84)) -> Image.Image:
     draw = ImageDraw.Draw(img)
     for _ in range(6):
         x, y = (int(v) for v in torch.randint(0, min(size), (2,), generator=g))
-        draw.ellipse((x, y, x + 20, y + 15), fill=tuple(int(c) for c in torch.randint(0, 255, (3,), generator=g)))
+        draw.ellipse(
+            (x, y, x + 20, y + 15), fill=tuple(int(c) for c in torch.randint(0, 255, (3,), generator=g))
+        )
     return img
 
 
@@ -46,7 +48,11 @@ def check_relocation(adapter: ModelAdapter, chunk, start: int, key_tol: float = 
 @pytest.mark.parametrize("start", [1, 37, 150])
 def test_text_chunk_relocation_is_exact(name: str, start: int) -> None:
     adapter = tiny_adapter(name)
-    check_relocation(adapter, adapter.text(torch.randint(2, 500, (24,), generator=torch.Generator().manual_seed(start))), start)
+    check_relocation(
+        adapter,
+        adapter.text(torch.randint(2, 500, (24,), generator=torch.Generator().manual_seed(start))),
+        start,
+    )
 
 
 def test_mla_stores_the_latent_not_expanded_kv() -> None:
@@ -93,7 +99,9 @@ def test_qwen_vl_positions_and_logits_match_the_full_forward() -> None:
         start += extent
     assert torch.equal(torch.cat(ours, dim=1), ref_pos[:, 0])
     with torch.inference_mode():
-        ref = model(input_ids=ids, pixel_values=image.pixel_values, image_grid_thw=grid, mm_token_type_ids=types).logits[0]
+        ref = model(
+            input_ids=ids, pixel_values=image.pixel_values, image_grid_thw=grid, mm_token_type_ids=types
+        ).logits[0]
     cache, start, logits = adapter.empty_cache(), 0, []
     for chunk in (before, image, after):
         logits.append(adapter.prefill(chunk, cache, start).logits)

@@ -136,14 +136,24 @@ def test_inverse_frequency_builders_match_transformers() -> None:
     inv, _ = hf({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
     assert list(linear_inv_freq(64, 10000.0, 4.0)) == inv
     params = {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     }
     inv, _ = hf(params)
     assert list(llama3_inv_freq(64, 500000.0, 8.0, 1.0, 4.0, 8192)) == inv
     params = {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
     }
     inv, scaling = hf(params, max_position_embeddings=163840)
     ours, ours_scaling = yarn_inv_freq(64, 10000.0, 40.0, 4096, 32, 1, 0.707, 0.707)
@@ -189,7 +199,9 @@ def test_mrope_matches_qwen_vl_recomposition(interleaved: bool) -> None:
             thw[..., idx] = freq[dim, ..., idx]
         chosen = thw
     else:
-        chosen = torch.cat([m[i % 3] for i, m in enumerate(freq.split(list(spec.mrope_section), dim=-1))], dim=-1)  # type: ignore[arg-type]
+        chosen = torch.cat(
+            [m[i % 3] for i, m in enumerate(freq.split(list(spec.mrope_section), dim=-1))], dim=-1
+        )  # type: ignore[arg-type]
     emb = torch.cat((chosen, chosen), dim=-1)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
