@@ -453,7 +453,7 @@ def spans(times: Sequence[float]) -> str:
     if not times:
         return "none"
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
-    step = min(gaps, default=0.0) * 1.01
+    step = min(gaps, default=0.0) * 1.5  # sampled timestamps jitter around the step
     runs: list[list[float]] = [[times[0]]]
     for t in times[1:]:
         if 0 < t - runs[-1][-1] <= step:
