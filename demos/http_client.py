@@ -201,7 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="measure the client's time to first token instead")
     p.add_argument("--json", default=None)
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads of a --serve server")
     args = p.parse_args(argv)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     if args.url is None and args.serve is None:
         p.error("give --url or --serve")
     with server(args.serve) as local:

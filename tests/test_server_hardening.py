@@ -265,7 +265,7 @@ def _rss_mb() -> float:
 def test_bounded_load(text_only_load: tuple[str, Runtime]) -> None:
     """8 clients, 48 requests (sessions, steps, chat): no 5xx, every session intact, RSS back."""
     url, runtime = text_only_load
-    doc = "Reference: " + " ".join(f"item {i} costs {i * 3} coins." for i in range(40))
+    doc = "Reference: " + " ".join(f"item {i} costs {i * 3} coins." for i in range(12))
 
     def client_run(c: int) -> list[int]:
         codes = []

@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=_env("device", "cpu"))
     p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default=_env("log_level", "info"))
+    p.add_argument(
+        "--threads", type=int, default=_env("threads", None), help="torch CPU threads (default: torch's)"
+    )
     store = p.add_argument_group("store")
     store.add_argument("--host-bytes", type=int, default=int(_env("host_bytes", 2 << 30)))
     store.add_argument("--device-bytes", type=int, default=int(_env("device_bytes", 0)))
@@ -110,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kamera serve needs the server extra: pip install 'kamera[server]' ({exc})")
         return 2
     configure_logging(args.log_level)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(int(args.threads))
     try:
         config = build_config(args)
     except ValueError as exc:
