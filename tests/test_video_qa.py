@@ -86,9 +86,8 @@ def test_video_qa_end_to_end(video: Path, tmp_path: Path) -> None:
     assert report["window"]["patches_applied"] >= len(last["recalled_times"])
     assert report["reprefill_ttft_ms"] > 0
     assert report["reencode_total_s"] > 0
-    assert report["reencode_vision_encoder_calls"] == len(
-        set(first["frame_times"]) | set(last["frame_times"])
-    )
+    # the baseline starts from scratch for every question: one encoder run per frame of each window
+    assert report["reencode_vision_encoder_calls"] == len(first["frame_times"]) + len(last["frame_times"])
 
 
 def test_similarity_retrieval_runs(video: Path, tmp_path: Path) -> None:
