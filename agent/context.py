@@ -51,21 +51,29 @@ class Source(StrEnum):
     PATCHED = "canonical+patch"  # recalled: canonical + the patch for its original antecedents
     ORBIT = "canonical+orbit"  # reordered: canonical + the orbit patch of the window's set
     CANONICAL = "canonical"  # no patch found: canonical KV alone (blind reuse)
+    CONDITIONED = "conditioned"  # recalled: its stored conditioned KV (exact for its old antecedents)
 
 
 @dataclass(frozen=True)
 class WindowConfig:
     """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted
     and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). orbit_orderings:
-    orderings sampled per orbit fit."""
+    orderings sampled per orbit fit. keep: what an evicted chunk leaves in the store:
+    ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
+    patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
+    (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
+    context; for streams such as video where content rarely repeats in another context)."""
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
     rope_kernel: str = "eager"
     orbit_orderings: int = 4
     tenant_salt: str = ""
+    keep: str = "canonical+patch"
 
     def __post_init__(self) -> None:
+        if self.keep not in ("canonical+patch", "conditioned"):
+            raise ValueError(f"keep must be 'canonical+patch' or 'conditioned', got {self.keep!r}")
         if self.budget_tokens <= 0:
             raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
         if self.orbit_orderings < 1:
@@ -283,6 +291,18 @@ class ContextManager:
         index = len(self._slots) if at is None else at
         if not 1 <= index <= len(self._slots):
             raise ValueError(f"recall index must be in 1..{len(self._slots)} (0 is the pinned prefix)")
+        stored = self._load_kv(record_key(chunk_id, "conditioned", gone.context_key))
+        if stored is not None:
+            slot = _Slot(
+                chunk_id,
+                gone.input,
+                stored,
+                Source.CONDITIONED,
+                gone.context_key,
+                dict(gone.meta),
+                finalized=True,
+            )
+            return self._insert_recalled(slot, index)
         canonical = self._canonical(chunk_id, gone.input, recompute=True)
         patch = self._load_patch(chunk_id, gone.context_key)
         slot = _Slot(
@@ -298,14 +318,16 @@ class ContextManager:
             k, v = apply_patch(canonical.k, canonical.v, patch)
             slot.kv, slot.source = replace(canonical, k=k, v=v), Source.PATCHED
             self.counters.patches_applied += 1
-        del self._evicted[chunk_id]
+        return self._insert_recalled(slot, index)
+
+    def _insert_recalled(self, slot: _Slot, index: int) -> ChunkView:
+        del self._evicted[slot.chunk_id]
         self._slots.insert(index, slot)
-        keep = slot
         while self.tokens > self.config.budget_tokens:
-            victim = next(i for i, s in enumerate(self._slots[1:], 1) if s is not keep)
+            victim = next(i for i, s in enumerate(self._slots[1:], 1) if s is not slot)
             self.slide_at(victim)
         self._restart()
-        return self.view()[self._slots.index(keep)]
+        return self.view()[self._slots.index(slot)]
 
     def slide_at(self, index: int) -> str:
         """Evict the chunk at window ``index`` (not the prefix)."""
@@ -409,24 +431,32 @@ class ContextManager:
 
         ``recompute``: a miss means the store lost an entry it had (counted), not a first encode.
         """
-        entry = self.store.get(chunk_id)
-        if entry is not None and entry.meta.get("n_tokens") == chunk.n_tokens:
-            t = entry.tensors
-            return ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
+        kv = self._load_kv(chunk_id)
+        if kv is not None and kv.n_tokens == chunk.n_tokens:
+            return kv
         self.counters.recompute_on_miss += int(recompute)
         kv = self.adapter.encode(chunk)
         self.counters.canonical_encodes += 1
-        self._put(
-            chunk_id,
-            Entry(
-                {"k": kv.k, "v": kv.v, "positions": kv.positions},
-                {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family},
-            ),
-        )
+        self._put_kv(chunk_id, kv)
         return kv
+
+    def _load_kv(self, key: str) -> ChunkKV | None:
+        entry = self.store.get(key)
+        if entry is None:
+            return None
+        t = entry.tensors
+        return ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
+
+    def _put_kv(self, key: str, kv: ChunkKV) -> None:
+        meta = {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family}
+        self._put(key, Entry({"k": kv.k, "v": kv.v, "positions": kv.positions}, meta))
 
     def _finalize_slot(self, slot: _Slot) -> None:
         if slot.finalized:
+            return
+        if self.config.keep == "conditioned" and slot.source in (Source.PREFILLED, Source.ROTATED):
+            self._put_kv(record_key(slot.chunk_id, "conditioned", slot.context_key), slot.kv)
+            slot.finalized = True
             return
         canonical = self._canonical(slot.chunk_id, slot.input, recompute=False)
         if slot.source in (Source.PREFILLED, Source.ROTATED):  # unfinalized: conditioned KV

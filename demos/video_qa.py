@@ -165,7 +165,7 @@ class VideoSession:
         self.agent = Agent(
             adapter,
             args.system,
-            WindowConfig(budget_tokens=args.budget),
+            WindowConfig(budget_tokens=args.budget, keep=args.keep),
             policy="text",
             max_new_tokens=args.max_new_tokens,
             finalize=False,  # canonical KV and patches are fitted when a chunk slides out, not per answer
@@ -329,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: {WORLD_VL_DIR})")
     p.add_argument("--budget", type=int, default=4096, help="window token budget (default 4096)")
+    p.add_argument(
+        "--keep",
+        choices=["conditioned", "canonical+patch"],
+        default="conditioned",
+        help="what a frame that slides out leaves in the store: its conditioned KV (exact on recall, no "
+        "extra forward pass; the default) or canonical KV plus a patch (one more pass per frame)",
+    )
     p.add_argument("--retrieval", choices=sorted(RETRIEVALS), default="even", help="default: even")
     p.add_argument("--frames-per-question", type=int, default=8, help="frames a question looks at (8)")
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -198,3 +198,23 @@ def test_vision_encoder_runs_once_per_distinct_image_over_a_long_session() -> No
     cm.reorder(order[::-1])
     cm.cache()
     assert adapter.vision_encoder_calls == len(set(seen)) == 5  # type: ignore[attr-defined]
+
+
+def test_conditioned_keep_recalls_the_exact_kv_without_extra_passes(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    config = WindowConfig(budget_tokens=BUDGET, keep="conditioned")
+    cm = ContextManager(adapter, store, config, TextInput(torch.arange(2, 8)))
+    a, b = pool()[:2]
+    cm.append(a)
+    cm.append(b)
+    before = cm.cache()
+    k_b = torch.stack([layer.keys[0] for layer in before.layers])[:, :, 6 + a.n_tokens :]
+    cid_a = cm.view()[1].chunk_id
+    cm.slide(2)
+    cm.recall(cid_a)
+    cm.recall(cm.evicted[0])  # b comes back after a: both at their first starts again
+    assert [v.source for v in cm.view()[1:]] == [Source.CONDITIONED, Source.CONDITIONED]
+    assert cm.counters.canonical_encodes == 0
+    after = cm.cache()
+    k_after = torch.stack([layer.keys[0] for layer in after.layers])[:, :, 6 + a.n_tokens :]
+    torch.testing.assert_close(k_after, k_b, rtol=1e-5, atol=1e-6)

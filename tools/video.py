@@ -43,7 +43,8 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
 # Demuxers that open a still image as a one-frame "video".
-_IMAGE_FORMATS = ("image2", "gif", "webp_pipe", "apng")
+# still images, and tty: FFmpeg renders any text file as a video through its tty demuxer
+_IMAGE_FORMATS = ("image2", "gif", "webp_pipe", "apng", "tty")
 
 
 class VideoError(Exception):
