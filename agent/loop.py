@@ -150,12 +150,17 @@ class Agent:
         image_of: Callable[[Image.Image], ChunkInput] | None = getattr(self.adapter, "image", None)
         if image_of is None:
             raise TypeError(f"{self.adapter.info.name} takes no images")
+        out: list[tuple[ChunkInput, dict[str, Any]]] = []
         if isinstance(obs, ImageObservation):
-            return [(image_of(obs.image), {"kind": "image", "label": obs.label})]
-        return [
-            (image_of(f), {"kind": "frame", "t": float(t)})
-            for f, t in zip(obs.frames, obs.timestamps, strict=True)
-        ]
+            if obs.label:
+                out.append((self._text(obs.label + "\n"), {"kind": "label"}))
+            return [*out, (image_of(obs.image), {"kind": "image", "label": obs.label})]
+        labels = obs.labels or [""] * len(obs.frames)
+        for frame, t, label in zip(obs.frames, obs.timestamps, labels, strict=True):
+            if label:
+                out.append((self._text(label), {"kind": "label", "t": float(t)}))
+            out.append((image_of(frame), {"kind": "frame", "t": float(t)}))
+        return out
 
     def step(
         self, observations: Sequence[Observation], instruction: str, max_new_tokens: int | None = None
