@@ -45,10 +45,13 @@ class FramesObservation:
 
     frames: Sequence[Image.Image]
     timestamps: Sequence[float]
+    labels: Sequence[str] | None = None  # optional text before each frame (e.g. "frame 3")
 
     def __post_init__(self) -> None:
         if len(self.frames) != len(self.timestamps):
             raise ValueError("one timestamp per frame")
+        if self.labels is not None and len(self.labels) != len(self.frames):
+            raise ValueError("one label per frame")
 
 
 Observation = TextObservation | ImageObservation | FramesObservation
