@@ -530,6 +530,35 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return [pareto, deficit]
 
 
+def build_report(
+    results: Sequence[ItemResult], config: FidelityConfig, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON report of the items done so far; ``meta`` (command, model, data...) goes first."""
+    ref_em = [r.reference_em for r in results if r.reference_em is not None]
+    ref_f1 = [r.reference_f1 for r in results if r.reference_f1 is not None]
+    canonical: dict[str, dict[str, Any]] = {
+        mode: {
+            "methods": aggregate(results, mode),
+            "deficit_energy_by_layer": torch.tensor([r.deficit[mode] for r in results]).mean(0).tolist(),
+        }
+        for mode in config.canonical
+    }
+    primary = config.canonical[0]
+    return {
+        **meta,
+        "items": len(results),
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
+        "chunks_per_item": _mean([len(r.chunk_tokens) for r in results]),
+        "chunk_tokens_mean": _mean([t for r in results for t in r.chunk_tokens]),
+        "prefill_ms_per_chunk": _mean([r.prefill_ms for r in results]),
+        "reference": {"em": _mean(ref_em), "f1": _mean(ref_f1)},
+        "canonical_primary": primary,
+        "methods": canonical[primary]["methods"],
+        "canonical": canonical,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -600,39 +629,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     adapter = load_model(args.model)
     codec = Codec(adapter.tokenizer)
     results: list[ItemResult] = []
+    meta = {
+        "command": "kamera bench fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": adapter.info.name,
+        "data": str(args.data),
+        "split": args.split,
+    }
     t0 = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         for item in items:
             results.append(evaluate_item(adapter, codec, item, config))
             progress.advance(task)
-    ref_em = [r.reference_em for r in results if r.reference_em is not None]
-    ref_f1 = [r.reference_f1 for r in results if r.reference_f1 is not None]
-    canonical: dict[str, dict[str, Any]] = {
-        mode: {
-            "methods": aggregate(results, mode),
-            "deficit_energy_by_layer": torch.tensor([r.deficit[mode] for r in results]).mean(0).tolist(),
-        }
-        for mode in config.canonical
-    }
-    primary = config.canonical[0]
-    report: dict[str, Any] = {
-        "command": "kamera bench fidelity " + " ".join(argv if argv is not None else []),
-        "model": adapter.info.name,
-        "data": str(args.data),
-        "split": args.split,
-        "items": len(results),
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
-        "chunks_per_item": _mean([len(r.chunk_tokens) for r in results]),
-        "chunk_tokens_mean": _mean([t for r in results for t in r.chunk_tokens]),
-        "prefill_ms_per_chunk": _mean([r.prefill_ms for r in results]),
-        "reference": {"em": _mean(ref_em), "f1": _mean(ref_f1)},
-        "canonical_primary": primary,
-        "methods": canonical[primary]["methods"],
-        "canonical": canonical,
-        "wall_s": time.perf_counter() - t0,
-        "threads": torch.get_num_threads(),
-    }
+            if args.json_path:  # the items so far, so that a stopped run still leaves numbers
+                Path(args.json_path).write_text(json.dumps(build_report(results, config, meta), indent=2))
+    report = build_report(results, config, meta)
+    report["wall_s"] = time.perf_counter() - t0
+    canonical = report["canonical"]
     for mode in config.canonical:
         print_table(console, mode, canonical[mode]["methods"], len(results))
     console.print(
