@@ -189,6 +189,8 @@ def run_session(
         cm.append(inputs[rest[0]])
         fill.append(rest.pop(0))
     cm.finalize()
+    cm.invalidate()
+    cm.cache()  # warm: the rotation kernel (compiled on first use) and the cos/sin tables
     prefix_cache = PrefixCache(adapter)
     prefix_cache.run(
         prefix, [v.chunk_id for v in cm.view()[1:]], [inputs[v.chunk_id] for v in cm.view()[1:]], question
