@@ -32,23 +32,32 @@ SIZES = (256, 1024, 4096, 16384)
 DSV2 = {"layers": 60, "heads": 128, "qk_nope": 128, "qk_rope": 64, "v_head": 128, "kv_lora_rank": 512}
 
 
-def family_exactness(adapter: ModelAdapter, chunk: ChunkInput) -> dict[str, float]:
+def family_exactness(adapter: ModelAdapter, chunk: ChunkInput) -> dict[str, Any]:
+    """Worst errors over the starts in STARTS, and the key error at each start.
+
+    The reference (the chunk prefilled at s) computes its own angles in float32, as transformers
+    does: at s = 1000 that alone moves keys by about 1e-5 relative, so errors grow with s even
+    though the rotation here is exact in float64.
+    """
     canonical = adapter.encode(chunk)
     query = adapter.text(torch.arange(5, 13))
-    worst_k, worst_logits = 0.0, 0.0
+    by_start: dict[str, float] = {}
+    worst_logits = 0.0
     for start in STARTS:
         direct = adapter.prefill(chunk, adapter.empty_cache(), start)
         k_moved, v = canonical.place(start, adapter.spec)
         k_direct, _ = direct.kv.place(start, adapter.spec)
-        err = float((k_moved.double() - k_direct.double()).abs().max() / k_direct.double().abs().max())
-        worst_k = max(worst_k, err)
+        by_start[str(start)] = float(
+            (k_moved.double() - k_direct.double()).abs().max() / k_direct.double().abs().max()
+        )
         moved = adapter.prefill(query, adapter.assemble([(k_moved, v)]), start + canonical.extent).logits
         ref = adapter.prefill(query, direct.cache, start + canonical.extent).logits
         worst_logits = max(worst_logits, float((moved - ref).abs().max()))
     return {
-        "max_rel_err": worst_k,
+        "max_rel_err": max(by_start.values()),
+        "max_rel_err_by_start": by_start,
         "logits_max_abs_diff": worst_logits,
-        "n_tokens": float(canonical.n_tokens),
+        "n_tokens": canonical.n_tokens,
     }
 
 
@@ -144,10 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
 
     t = Table(title="relocation exactness (chunk at 0 rotated to s vs prefilled at s; s in 1, 100, 1000)")
-    for col in ("family", "tokens", "max rel err (keys)", "logits max abs diff"):
+    for col in ("family", "tokens", *(f"key rel err, s={s}" for s in STARTS), "logits max abs diff"):
         t.add_column(col, justify="right")
     for name, f in families.items():
-        t.add_row(name, str(int(f["n_tokens"])), f"{f['max_rel_err']:.2e}", f"{f['logits_max_abs_diff']:.2e}")
+        errs = [f"{f['max_rel_err_by_start'][str(s)]:.1e}" for s in STARTS]
+        t.add_row(name, str(f["n_tokens"]), *errs, f"{f['logits_max_abs_diff']:.2e}")
     console.print(t)
     t = Table(title="rotation throughput vs a plain copy of the same bytes (GB/s)")
     for col in ("tokens", "layout", "copy", "eager", "compiled", "best / copy"):
