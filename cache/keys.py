@@ -20,6 +20,7 @@ import hashlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ class Namespace:
         if self.layout_version < 0:
             raise ValueError(f"layout_version must be >= 0, got {self.layout_version}")
 
-    @property
+    @cached_property
     def encoded(self) -> bytes:
         return encode_fields(
             [
