@@ -185,13 +185,15 @@ class Store:
 
 class Built(NamedTuple):
     """A method's context KV (post-RoPE ``[L, H, N, D]``), build time, share of piece tokens
-    recomputed, and offline patch-fitting time."""
+    recomputed, offline patch-fitting time, and patch bytes over the pieces' KV bytes (both at
+    float16)."""
 
     k: torch.Tensor
     v: torch.Tensor
     seconds: float
     recompute: float = 0.0
     fit_seconds: float = 0.0
+    bytes_ratio: float = 0.0
 
 
 def _cat(
@@ -223,16 +225,18 @@ def build_methods(
     out["blind"] = Built(*blind, time.perf_counter() - t0)
 
     def patched(conditioned: dict[str, ChunkKV], rank: int) -> Built:
-        placed, fit_s, apply_s = [], 0.0, 0.0
+        placed, fit_s, apply_s, nbytes, kv_bytes = [], 0.0, 0.0, 0, 0
         cfg = PatchConfig(rank=rank_strategy("fixed", rank=rank))
         for piece, c, start in zip(case.target, canon, place.starts, strict=True):
             cond = conditioned[piece.name]
             t0 = time.perf_counter()
             patch = fit_delta(cond.k - c.k, cond.v - c.v, cfg).patch
             t1 = time.perf_counter()
+            nbytes, kv_bytes = nbytes + patch.nbytes, kv_bytes + 2 * (c.k.numel() + c.v.numel())
             placed.append(apply_and_place(c.k, c.v, patch, c.placed_positions(start), spec))
             fit_s, apply_s = fit_s + t1 - t0, apply_s + time.perf_counter() - t1
-        return Built(*_cat(pk, placed), apply_s, fit_seconds=fit_s)
+        ratio = nbytes / max(1, kv_bytes)
+        return Built(*_cat(pk, placed), apply_s, fit_seconds=fit_s, bytes_ratio=ratio)
 
     for m in config.ranks:
         out[f"patch-r{m}"] = patched(ref.conditioned, m)
@@ -314,6 +318,7 @@ class Record(NamedTuple):
     ttft_s: float
     recompute: float
     fit_s: float
+    bytes_ratio: float
 
 
 def evaluate_case(
@@ -362,6 +367,7 @@ def evaluate_case(
                     ttft[name],
                     b.recompute,
                     b.fit_seconds,
+                    b.bytes_ratio,
                 )
             )
     return records, ref.encoder_calls
@@ -388,6 +394,7 @@ def aggregate(records: Sequence[Record], calls: dict[str, int], questions: int) 
             "encoder_calls_per_question": calls[name] / max(1, questions),
             "recompute": _mean([r.recompute for r in rs]),
             "fit_ms": 1e3 * (_mean([r.fit_s for r in rs]) or 0.0),
+            "patch_bytes_ratio": _mean([r.bytes_ratio for r in rs]),
             "n_single": len(single),
             "n_multi": len(multi),
         }

@@ -68,6 +68,7 @@ def test_full_rank_patch_reproduces_reprefill_answers(report: dict[str, Any]) ->
         assert m["agree_single"] == 1.0
         assert m["agree_multi"] == 1.0
         assert m["kl_first"] < 1e-6
+        assert m["patch_bytes_ratio"] > 1.0  # a full-rank patch of a chunk this short outweighs its KV
 
 
 def test_encoder_runs_once_per_distinct_frame_for_reuse(report: dict[str, Any]) -> None:
