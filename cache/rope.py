@@ -281,7 +281,10 @@ def _rotate_compiled(
     """One fused read-rotate-write pass (Inductor). The first call per process compiles."""
     if not _COMPILED:
         _COMPILED.append(torch.compile(_rotate_math, dynamic=True))
-    result = _COMPILED[0](x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved")
+    # contiguous inputs keep one compiled graph for every chunk (strides are guarded on)
+    result = _COMPILED[0](
+        x.contiguous(), cos.contiguous(), sin.contiguous(), spec.rotary_dim, spec.pairing == "interleaved"
+    )
     return result if out is None else out.copy_(result)
 
 
