@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+import torch
+
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
@@ -151,7 +153,11 @@ def set_key(chunk_ids: Iterable[str]) -> str:
 
 
 class ContextManager:
-    """An ordered window of chunks over one adapter and one store. Not thread-safe: one owner."""
+    """An ordered window of chunks over one adapter and one store. Not thread-safe: one owner.
+
+    Every operation runs under ``torch.inference_mode``: all KV it makes is an inference tensor,
+    so a compiled rotation kernel sees one kind of input and never recompiles for another.
+    """
 
     def __init__(
         self, adapter: ModelAdapter, store: TieredStore, config: WindowConfig, prefix: ChunkInput
@@ -196,6 +202,7 @@ class ContextManager:
 
     # --- operations ---------------------------------------------------------------------
 
+    @torch.inference_mode()
     def append(self, chunk: ChunkInput, meta: dict[str, Any] | None = None) -> Prefill:
         """Prefill ``chunk`` at the end of the window (sliding first if it would not fit)."""
         if chunk.n_tokens + self._slots[0].kv.n_tokens > self.config.budget_tokens:
@@ -210,6 +217,7 @@ class ContextManager:
         self.adopt(chunk, out.kv, cache, meta)
         return out
 
+    @torch.inference_mode()
     def adopt(self, chunk: ChunkInput, kv: ChunkKV, cache: Any, meta: dict[str, Any] | None = None) -> None:
         """Record a chunk already prefilled into the live ``cache`` at :attr:`next_start`.
 
@@ -259,6 +267,7 @@ class ContextManager:
             self._restart()
         return [s.chunk_id for s in gone]
 
+    @torch.inference_mode()
     def reorder(self, order: Sequence[str]) -> None:
         """Put the chunks after the prefix in ``order`` (chunk ids, a permutation of the window's)."""
         current = [s.chunk_id for s in self._slots[1:]]
@@ -283,6 +292,7 @@ class ContextManager:
         self._slots = new
         self._restart()
 
+    @torch.inference_mode()
     def recall(self, chunk_id: str, at: int | None = None) -> ChunkView:
         """Bring an evicted chunk back at window index ``at`` (default: the end)."""
         gone = self._evicted.get(chunk_id)
@@ -336,6 +346,7 @@ class ContextManager:
         self._slots.insert(1, self._slots.pop(index))
         return self.slide(1)[0]
 
+    @torch.inference_mode()
     def prepare_orbit(self) -> int:
         """Fit an orbit patch for every chunk of the current set over sampled orderings.
 
@@ -364,6 +375,7 @@ class ContextManager:
         self.counters.fit_ms += 1000 * (time.perf_counter() - t0)
         return len(slots)
 
+    @torch.inference_mode()
     def finalize(self) -> int:
         """Encode the canonical KV and fit the patch of every chunk prefilled since the last call."""
         done = 0
@@ -375,6 +387,7 @@ class ContextManager:
 
     # --- assembly -----------------------------------------------------------------------
 
+    @torch.inference_mode()
     def cache(self) -> Any:
         """The model cache holding the window, with every chunk rotated to its start.
 
