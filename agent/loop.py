@@ -231,10 +231,6 @@ class Agent:
         }
 
 
-def make_agent(adapter: ModelAdapter, system_prompt: str, budget_tokens: int = 4096, **kw: Any) -> Agent:
-    return Agent(adapter, system_prompt, WindowConfig(budget_tokens=budget_tokens), **kw)
-
-
 __all__ = [
     "Agent",
     "FramesObservation",

@@ -102,9 +102,9 @@ def first_token(adapter: ModelAdapter, question: TextInput, cache: Any, start: i
 
 def forget_images(adapter: ModelAdapter) -> None:
     """Empty the vision feature cache, so the next image prefill runs the encoder as a baseline would."""
-    features = getattr(adapter, "_features", None)
-    if features is not None:
-        features.clear()
+    clear = getattr(adapter, "clear_vision_cache", None)
+    if clear is not None:
+        clear()
 
 
 def reprefill(

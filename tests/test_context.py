@@ -218,3 +218,39 @@ def test_conditioned_keep_recalls_the_exact_kv_without_extra_passes(adapter: Mod
     after = cm.cache()
     k_after = torch.stack([layer.keys[0] for layer in after.layers])[:, :, 6 + a.n_tokens :]
     torch.testing.assert_close(k_after, k_b, rtol=1e-5, atol=1e-6)
+
+
+def test_reorder_with_orbit_patches_needs_no_forward_pass(adapter: ModelAdapter) -> None:
+    """With full-rank factors, an orbit-patched chunk is its canonical KV plus the mean of its
+    deltas over every ordering of the set (two chunks: both orderings, exhaustively)."""
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    prefix = TextInput(torch.arange(2, 8))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET, patch=FULL_RANK), prefix)
+    a, b = pool()[:2]
+    cm.append(a)
+    cm.append(b)
+    cm.finalize()
+    assert cm.prepare_orbit() == 2
+    prefilled, encodes = cm.counters.tokens_prefilled, cm.counters.canonical_encodes
+    ids = [v.chunk_id for v in cm.view()[1:]]
+    cm.reorder(ids[::-1])
+    assert [v.source for v in cm.view()[1:]] == [Source.ORBIT, Source.ORBIT]
+    assert (cm.counters.tokens_prefilled, cm.counters.canonical_encodes) == (prefilled, encodes)
+
+    prefix_kv = adapter.encode(prefix)
+    deltas = []
+    canonical_a = adapter.encode(a)
+    for order in ((a, b), (b, a)):
+        cache = adapter.assemble([prefix_kv.place(0, adapter.spec)])
+        start = prefix_kv.extent
+        for chunk in order:
+            out = adapter.prefill(chunk, cache, start)
+            start += out.kv.extent
+            if chunk is a:
+                deltas.append(out.kv.k - canonical_a.k)
+    expected_k = canonical_a.k + torch.stack(deltas).mean(0)
+    view = cm.view()
+    start_a = view[2].start
+    keys = torch.stack([layer.keys[0] for layer in cm.cache().layers])[:, :, start_a : start_a + a.n_tokens]
+    ref = reference_rotate(expected_k, torch.arange(start_a, start_a + a.n_tokens), adapter.spec).float()
+    torch.testing.assert_close(keys, ref, rtol=1e-4, atol=2e-5)

@@ -171,7 +171,7 @@ class DecoderAdapter(ModelAdapter):
         k_rot = torch.stack(keys)
         return ChunkKV(
             k=unrotate(k_rot, positions, self.spec),
-            v=torch.stack(values).clone(),
+            v=torch.stack(values),  # stack copies: the KV no longer aliases the cache
             positions=rel,
             extent=extent,
             family=self.family,

@@ -111,6 +111,10 @@ class QwenVLAdapter(DecoderAdapter):
 
     # --- vision encoder, once per distinct image ----------------------------------------------
 
+    def clear_vision_cache(self) -> None:
+        """Forget every cached image feature (the next prefill of each image runs the encoder)."""
+        self._features.clear()
+
     def image_features(self, chunk: ImageInput) -> torch.Tensor:
         """Merged-patch embeddings ``[N, hidden]``; the encoder runs only on a cache miss."""
         hit = self._features.get(chunk.content_key)
