@@ -320,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         vl = tiny_adapter("qwen2.5-vl")
         prefix, question = vl.text(torch.arange(5, 25)), vl.text(torch.arange(40, 56))
         for size in (int(s) for s in args.vl_sizes.split(",")):
-            pool = image_pool(vl, size // 60 + 4, args.image_side)
+            per_image = image_pool(vl, 1, args.image_side)[0].n_tokens
+            pool = image_pool(vl, size // per_image + 4, args.image_side)
             console.print(f"[bold]qwen2.5-vl (random weights)[/] window {size} tokens, {len(pool)} images")
             run = run_session(vl, pool, prefix, question, size, args.rope_kernel, console.print)
             run.update({"model": "qwen2.5-vl", "window": size, "summary": summarise(run["steps"])})
