@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
+from cache.arena import KVArena
 from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
 from cache.patch import Patch, PatchConfig, apply_patch, fit_patch
@@ -59,7 +60,10 @@ class Source(StrEnum):
 @dataclass(frozen=True)
 class WindowConfig:
     """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted
-    and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). orbit_orderings:
+    and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). headroom_tokens: spare
+    room kept after the window in its buffer for a step's new tokens (it grows if a step needs
+    more). max_offset: the largest position shift of the window in the live cache (default: the
+    budget; 0 keeps the window at position 0, rotating survivors on every slide). orbit_orderings:
     orderings sampled per orbit fit. keep: what an evicted chunk leaves in the store:
     ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
     patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
@@ -69,6 +73,8 @@ class WindowConfig:
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
     rope_kernel: str = "eager"
+    headroom_tokens: int = 256
+    max_offset: int | None = None
     orbit_orderings: int = 4
     tenant_salt: str = ""
     keep: str = "canonical+patch"
@@ -78,6 +84,8 @@ class WindowConfig:
             raise ValueError(f"keep must be 'canonical+patch' or 'conditioned', got {self.keep!r}")
         if self.budget_tokens <= 0:
             raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
+        if self.headroom_tokens < 0 or (self.max_offset is not None and self.max_offset < 0):
+            raise ValueError("headroom_tokens and max_offset must not be negative")
         if self.orbit_orderings < 1:
             raise ValueError("orbit_orderings must be at least 1")
 
@@ -108,6 +116,7 @@ class Counters:
     canonical_encodes: int = 0
     recompute_on_miss: int = 0
     assemblies: int = 0
+    rebuilds: int = 0
     slides: int = 0
     chunks_evicted: int = 0
     fit_ms: float = 0.0
@@ -124,7 +133,7 @@ class _Evicted:
     meta: dict[str, Any]
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: the same chunk may sit in the window twice
 class _Slot:
     chunk_id: str
     input: ChunkInput
@@ -133,7 +142,8 @@ class _Slot:
     context_key: str  # the antecedents it was prefilled after (its patch's key)
     meta: dict[str, Any]
     start: int = 0
-    placed_start: int | None = None  # where its keys were last rotated to
+    placed_start: int | None = None  # the position its keys carry in the arena (None: not written)
+    segs: list[tuple[int, int]] = field(default_factory=list)  # (arena index, tokens), in token order
     finalized: bool = False
 
 
@@ -170,13 +180,17 @@ class ContextManager:
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
-            _Slot(pid, prefix, out.kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, 0, 0, True)
+            _Slot(pid, prefix, out.kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, finalized=True)
         ]
         if self.tokens > config.budget_tokens:
             raise ValueError(
                 f"the prefix alone ({self.tokens} tokens) exceeds the budget {config.budget_tokens}"
             )
-        self._cache: Any = cache
+        self._cache: Any = None
+        self._arena: KVArena | None = None
+        self._holders: list[_Slot] = []  # slots whose tokens are in the arena
+        self._used = 0  # arena tokens the window occupies
+        self._base = 0  # the window's position shift in the arena
         self._restart()
 
     # --- views --------------------------------------------------------------------------
@@ -187,6 +201,13 @@ class ContextManager:
 
     @property
     def next_start(self) -> int:
+        """The position the next token takes in the live cache (:meth:`cache`, made if needed):
+        the window's end plus :attr:`offset`."""
+        self.cache()
+        return self._base + self._end
+
+    @property
+    def _end(self) -> int:
         last = self._slots[-1]
         return last.start + last.kv.extent
 
@@ -230,9 +251,6 @@ class ContextManager:
                 f"a {kv.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
             )
         ctx = context_key(s.chunk_id for s in self._slots)
-        if self.tokens + kv.n_tokens > self.config.budget_tokens:
-            self._make_room(kv.n_tokens)
-            ctx, cache = context_key(s.chunk_id for s in self._slots), None
         slot = _Slot(
             self.adapter.chunk_key(chunk, self.config.tenant_salt),
             chunk,
@@ -241,12 +259,27 @@ class ContextManager:
             ctx,
             dict(meta or {}),
         )
-        slot.start = self.next_start
-        if cache is None:  # moved by the slide: it now starts elsewhere than where it was computed
-            slot.source = Source.ROTATED
+        slot.start = self._end
+        arena = self._arena
+        if (
+            cache is not None
+            and cache is self._cache
+            and arena is not None
+            and all(n == self._used + kv.n_tokens for n in arena.lengths)
+        ):  # its tokens are the live cache's last ones: they stay where the model wrote them
+            slot.segs, slot.placed_start = [(self._used, kv.n_tokens)], self._base + slot.start
+            self._used += kv.n_tokens
+            self._holders.append(slot)
         else:
-            slot.placed_start = slot.start
+            self._cache = cache = None
         self._slots.append(slot)
+        if self.tokens > self.config.budget_tokens:
+            self._slots.pop()
+            self._make_room(kv.n_tokens)
+            slot.context_key = context_key(s.chunk_id for s in self._slots)
+            slot.start, slot.source = self._end, Source.ROTATED  # moved by the slide
+            self._slots.append(slot)
+            cache = None
         self._cache = cache
 
     def slide(self, n_chunks: int = 1) -> list[str]:
@@ -285,6 +318,7 @@ class ContextManager:
                 canonical = self._canonical(slot.chunk_id, slot.input, recompute=True)
                 k, v = apply_patch(canonical.k, canonical.v, orbit)
                 slot.kv, slot.source = replace(canonical, k=k, v=v), Source.ORBIT
+                slot.placed_start = None  # new KV: its keys and values are written again
                 self.counters.patches_applied += 1
             elif slot.source == Source.PREFILLED:
                 slot.source = Source.ROTATED
@@ -389,41 +423,182 @@ class ContextManager:
 
     @torch.inference_mode()
     def cache(self) -> Any:
-        """The model cache holding the window, with every chunk rotated to its start.
+        """The model cache holding the window, every chunk's keys rotated to its place.
 
-        Each chunk's keys are rotated straight into its slice of one window buffer (one pass
-        over the keys, one copy of the values); the model cache takes the buffers over.
+        The window lives in one :class:`~cache.arena.KVArena` that is kept between calls and
+        brought up to date with the least work: a chunk whose place did not change is not
+        touched; one that moved has its keys rotated again from its pre-RoPE KV (its values
+        stay where they are); a new one is written into the room left by evicted chunks (or
+        after the last one), and the holes that remain are filled from the arena's physical end.
+        Since every cached token is visible to every new query, the tokens' physical order does
+        not matter, only their rotation. The whole window may sit at a position ``offset``
+        (:attr:`offset`): attention depends only on relative positions, so shifting the window
+        by a constant changes nothing, and after a slide moving the few prefix tokens is cheaper
+        than moving every survivor. The model's new tokens are written into the arena's spare
+        room; a cache returned earlier refuses to be used once the window changed
+        (:class:`~cache.arena.StaleCacheError`).
         """
         if self._cache is not None:
             return self._cache
         t0 = time.perf_counter()
-        first = self._slots[0].kv
-        total = self.tokens
-        k_buf = first.k.new_empty((first.k.shape[0], first.k.shape[1], total, first.k.shape[3]))
-        v_buf = first.v.new_empty((first.v.shape[0], first.v.shape[1], total, first.v.shape[3]))
-        offset = 0
-        for slot in self._slots:
-            n = slot.kv.n_tokens
-            positions = slot.kv.placed_positions(slot.start)
-            k_out = k_buf[:, :, offset : offset + n]
-            rotate(slot.kv.k, positions, self.adapter.spec, self.config.rope_kernel, out=k_out)
-            v_buf[:, :, offset : offset + n] = slot.kv.v
-            if slot.placed_start != slot.start:
-                self.counters.tokens_rotated += n
-                slot.placed_start = slot.start
-            offset += n
-        self._cache = self.adapter.cache_from(k_buf, v_buf)
+        if not self._sync():
+            self._rebuild()
+        assert self._arena is not None
+        self._arena.reset(self._used)
+        self._cache = self.adapter.cache_on(self._arena)
         self.counters.assemblies += 1
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache
 
     def invalidate(self) -> None:
-        """Drop the live cache (e.g. after generating tokens that are not part of the window)."""
+        """Drop the live cache (e.g. after generating tokens that are not part of the window):
+        the next :meth:`cache` shows the window alone again, without moving anything."""
         self._cache = None
+
+    @property
+    def offset(self) -> int:
+        """The window's position shift in the live cache: chunk ``i`` of :meth:`view` carries
+        positions from ``view()[i].start + offset`` (see :meth:`cache`, made if needed)."""
+        self.cache()
+        return self._base
+
+    def placed_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window chunk ``index``'s keys and values as the live cache holds them (copies,
+        ``[L, H, T, D]``; keys rotated to ``view()[index].start + offset``)."""
+        self.cache()
+        slot = self._slots[index]
+        assert self._arena is not None
+        ks = [self._arena.k[:, :, p : p + n] for p, n in slot.segs]
+        vs = [self._arena.v[:, :, p : p + n] for p, n in slot.segs]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    def _shift_limit(self) -> int:
+        if not getattr(self.adapter, "shift_invariant", True):
+            return 0
+        return self.config.budget_tokens if self.config.max_offset is None else self.config.max_offset
+
+    def _new_arena(self, tokens: int) -> KVArena:
+        first = self._slots[0].kv
+        return KVArena(
+            first.k.shape[0],
+            (first.k.shape[1], first.k.shape[3]),
+            (first.v.shape[1], first.v.shape[3]),
+            tokens + self.config.headroom_tokens,
+            first.k.dtype,
+            first.k.device,
+        )
+
+    def _rebuild(self) -> None:
+        """Every chunk written afresh, in window order from physical 0, at offset 0."""
+        total = self.tokens
+        if self._arena is None or self._arena.capacity < total + self.config.headroom_tokens:
+            self._arena = self._new_arena(max(total, self.config.budget_tokens))
+        offset = 0
+        for slot in self._slots:
+            slot.segs, slot.placed_start = [(offset, slot.kv.n_tokens)], None
+            offset += slot.kv.n_tokens
+        self._holders, self._used, self._base = list(self._slots), offset, 0
+        self.counters.rebuilds += 1
+        self._write()
+
+    def _sync(self) -> bool:
+        """Bring the arena up to the window in place; False when a rebuild is the better way."""
+        arena = self._arena
+        if arena is None:
+            return False
+        live = {id(s) for s in self._slots}
+        holes: list[tuple[int, int]] = []
+        for slot in self._holders:
+            if id(slot) not in live:
+                holes += slot.segs
+                slot.segs, slot.placed_start = [], None
+        # the offset most tokens already sit at (within the allowed shift)
+        votes: dict[int, int] = {}
+        for slot in self._slots:
+            if slot.segs and slot.placed_start is not None:
+                b = slot.placed_start - slot.start
+                votes[b] = votes.get(b, 0) + slot.kv.n_tokens
+        limit = self._shift_limit()
+        valid = {b: w for b, w in votes.items() if 0 <= b <= limit}
+        base = max(valid, key=lambda b: (valid[b], -b)) if valid else 0
+        # new chunks go into the holes first, then after the last used token
+        holes = _merge(holes)
+        used = self._used
+        for slot in self._slots:
+            if slot.segs:
+                continue
+            need, segs = slot.kv.n_tokens, []
+            while need and holes:
+                h, n = holes.pop(0)
+                take = min(n, need)
+                segs.append((h, take))
+                need -= take
+                if n > take:
+                    holes.insert(0, (h + take, n - take))
+            if need:
+                segs.append((used, need))
+                used += need
+            slot.segs, slot.placed_start = segs, None
+        arena.reserve(used + self.config.headroom_tokens)
+        used = self._compact(holes, used)
+        if sum(len(s.segs) for s in self._slots) > 2 * len(self._slots) + 16:
+            return False  # too fragmented: one contiguous rewrite is cheaper from here on
+        self._holders, self._used, self._base = list(self._slots), used, base
+        self._write()
+        return True
+
+    def _compact(self, holes: list[tuple[int, int]], used: int) -> int:
+        """Fill ``holes`` (sorted, disjoint, below ``used``) with tokens from the physical end."""
+        assert self._arena is not None
+        ends: dict[int, _Slot] = {p + n: s for s in self._slots for p, n in s.segs}
+        while holes:
+            h, n = holes[-1]
+            if h + n >= used:  # a hole at the end: just give it up
+                holes.pop()
+                used = min(used, h)
+                continue
+            h, n = holes[0]
+            owner = ends.pop(used)
+            i = next(j for j, (p, m) in enumerate(owner.segs) if p + m == used)
+            p, m = owner.segs[i]
+            take = min(m, n)
+            if owner.placed_start is not None:  # its data is valid: move it (else it is rewritten anyway)
+                self._arena.move(used - take, h, take)
+            owner.segs[i : i + 1] = [seg for seg in ((p, m - take), (h, take)) if seg[1]]
+            if m > take:
+                ends[used - take] = owner
+            ends[h + take] = owner
+            used -= take
+            holes[0:1] = [(h + take, n - take)] if n > take else []
+        return used
+
+    def _write(self) -> None:
+        """Rotate every chunk whose keys are not at its place (values too for new ones)."""
+        assert self._arena is not None
+        spec, kernel = self.adapter.spec, self.config.rope_kernel
+        for slot in self._slots:
+            at = self._base + slot.start
+            if slot.placed_start == at:
+                continue
+            positions = slot.kv.placed_positions(at)
+            values = slot.placed_start is None
+            t = 0
+            for p, n in slot.segs:
+                out = self._arena.k[:, :, p : p + n]
+                rotate(slot.kv.k[:, :, t : t + n], positions[..., t : t + n], spec, kernel, out=out)
+                if values:
+                    self._arena.v[:, :, p : p + n] = slot.kv.v[:, :, t : t + n]
+                t += n
+            slot.placed_start = at
+            self.counters.tokens_rotated += slot.kv.n_tokens
 
     # --- internals ----------------------------------------------------------------------
 
     def _restart(self) -> None:
+        """Logical starts from 0 in window order; the live cache is remade on next use (and a
+        cache taken before refuses to run: it shows a window that no longer is)."""
+        if self._arena is not None:
+            self._arena.retire()
         start = 0
         for slot in self._slots:
             slot.start = start
@@ -495,3 +670,14 @@ def _kind(slot: _Slot) -> str:
     if slot.source == Source.PREFIX:
         return "prefix"
     return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))
+
+
+def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ``(start, length)`` ranges with touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for p, n in sorted(segments):
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((p, n))
+    return out

@@ -12,6 +12,7 @@ from PIL import Image, ImageDraw
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
 from agent.adapters.tiny import BUILDERS, tiny_adapter
+from cache.arena import KVArena
 
 TEXT_FAMILIES = [n for n in BUILDERS if n != "qwen2.5-vl"]
 
@@ -140,3 +141,34 @@ def test_smollm2_relocation_and_greedy_answer(smollm2: ModelAdapter) -> None:
     cache = smollm2.assemble([kv.place(0, smollm2.spec)])
     out = smollm2.generate(question, cache, kv.extent, max_new_tokens=3)
     assert "Paris" in tok.decode(out.tokens)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_a_cache_over_an_arena_runs_like_a_dynamic_cache(name: str) -> None:
+    """New tokens go into the arena's spare room (growing it when full); logits, the grown
+    cache's keys and values, and next_logits all equal the plain cache path."""
+    adapter = tiny_adapter(name)
+    context = adapter.text(torch.arange(3, 40))
+    kv = adapter.encode(context)
+    k, v = kv.place(0, adapter.spec)
+    arena = KVArena(k.shape[0], (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), capacity=40)
+    arena.k[:, :, : k.shape[2]], arena.v[:, :, : v.shape[2]] = k, v
+    arena.reset(k.shape[2])
+    on_arena, plain = adapter.cache_on(arena), adapter.assemble([(k, v)])
+    query = adapter.text(torch.arange(5, 12))  # 37 + 7 > 40: the arena grows once
+    got = adapter.prefill(query, on_arena, kv.extent)
+    want = adapter.prefill(query, plain, kv.extent)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.kv.k, want.kv.k, rtol=1e-5, atol=1e-6)
+    assert arena.grows == 1
+    assert adapter.cache_length(on_arena) == adapter.cache_length(plain) == 44
+    for a, b in zip(on_arena.layers, plain.layers, strict=False):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    last = adapter.text(torch.tensor([7, 8]))
+    torch.testing.assert_close(
+        adapter.next_logits(last, on_arena, 44),
+        adapter.prefill(last, plain, 44).logits[-1],
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -20,8 +20,10 @@ from PIL import Image
 from agent.adapters.base import ModelAdapter, TextInput
 from agent.adapters.tiny import tiny_adapter
 from agent.context import ContextManager, RecallError, Source, WindowConfig
+from cache.arena import StaleCacheError
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
+from cache.rope import unrotate
 from cache.store import StoreConfig, TieredStore
 from tests.test_rope import reference_rotate
 
@@ -58,8 +60,8 @@ class Reference:
         self.window = [RefChunk("prefix", kv.k, kv.v)]
         self.evicted: dict[str, RefChunk] = {}
 
-    def placed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out, start = [], 0
+    def placed(self, offset: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out, start = [], offset
         for c in self.window:
             n = c.k.shape[2]
             out.append(
@@ -70,7 +72,7 @@ class Reference:
 
     def append(self, chunk_id: str, chunk: TextInput) -> None:
         cache = self.adapter.assemble(self.placed())
-        start = sum(c.k.shape[2] for c in self.window)
+        start = sum(c.k.shape[2] for c in self.window)  # the reference window sits at position 0
         kv = self.adapter.prefill(chunk, cache, start).kv
         self.window.append(RefChunk(chunk_id, kv.k, kv.v))
 
@@ -84,15 +86,24 @@ def check(cm: ContextManager, ref: Reference, adapter: ModelAdapter) -> None:
         assert b.start == a.start + a.extent
     assert cm.tokens <= BUDGET
     assert [v.chunk_id for v in view[1:]] == [c.chunk_id for c in ref.window[1:]]
-    # the assembled cache equals the reference, chunk by chunk
-    cache = cm.cache()
-    keys = torch.stack([layer.keys[0] for layer in cache.layers])
-    values = torch.stack([layer.values[0] for layer in cache.layers])
-    for chunk, (k_ref, v_ref), (k_len) in zip(view, ref.placed(), [v.n_tokens for v in view], strict=True):
-        k = keys[:, :, chunk.start : chunk.start + k_len]
-        v = values[:, :, chunk.start : chunk.start + k_len]
+    # the assembled cache equals the reference, chunk by chunk, at the window's offset
+    offset = cm.offset
+    assert 0 <= offset <= BUDGET
+    placed = ref.placed(offset)
+    assert len(placed) == len(view)
+    for i, (k_ref, v_ref) in enumerate(placed):
+        k, v = cm.placed_kv(i)
         torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=2e-5)
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=2e-5)
+    # the live cache holds the window's tokens and nothing else
+    cache = cm.cache()
+    assert adapter.cache_length(cache) == cm.tokens
+    # and the model reads the same next token from it as from the reference at offset 0
+    probe = TextInput(torch.tensor([11, 12, 13]))
+    got = adapter.next_logits(probe, cache, cm.next_start)
+    want = adapter.next_logits(probe, adapter.assemble(ref.placed(0)), cm.tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cm.invalidate()
 
 
 ops = st.lists(
@@ -207,17 +218,21 @@ def test_conditioned_keep_recalls_the_exact_kv_without_extra_passes(adapter: Mod
     a, b = pool()[:2]
     cm.append(a)
     cm.append(b)
-    before = cm.cache()
-    k_b = torch.stack([layer.keys[0] for layer in before.layers])[:, :, 6 + a.n_tokens :]
+    k_b, offset_b = cm.placed_kv(2)[0], cm.offset
     cid_a = cm.view()[1].chunk_id
     cm.slide(2)
     cm.recall(cid_a)
     cm.recall(cm.evicted[0])  # b comes back after a: both at their first starts again
     assert [v.source for v in cm.view()[1:]] == [Source.CONDITIONED, Source.CONDITIONED]
     assert cm.counters.canonical_encodes == 0
-    after = cm.cache()
-    k_after = torch.stack([layer.keys[0] for layer in after.layers])[:, :, 6 + a.n_tokens :]
-    torch.testing.assert_close(k_after, k_b, rtol=1e-5, atol=1e-6)
+    k_after, offset_after = cm.placed_kv(2)[0], cm.offset
+    positions = torch.arange(6 + a.n_tokens, 6 + a.n_tokens + b.n_tokens)
+    torch.testing.assert_close(
+        unrotate(k_after, positions + offset_after, adapter.spec),
+        unrotate(k_b, positions + offset_b, adapter.spec),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_reorder_with_orbit_patches_needs_no_forward_pass(adapter: ModelAdapter) -> None:
@@ -251,6 +266,58 @@ def test_reorder_with_orbit_patches_needs_no_forward_pass(adapter: ModelAdapter)
     expected_k = canonical_a.k + torch.stack(deltas).mean(0)
     view = cm.view()
     start_a = view[2].start
-    keys = torch.stack([layer.keys[0] for layer in cm.cache().layers])[:, :, start_a : start_a + a.n_tokens]
-    ref = reference_rotate(expected_k, torch.arange(start_a, start_a + a.n_tokens), adapter.spec).float()
+    keys = cm.placed_kv(2)[0]
+    at = start_a + cm.offset
+    ref = reference_rotate(expected_k, torch.arange(at, at + a.n_tokens), adapter.spec).float()
     torch.testing.assert_close(keys, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_window_moves_touch_only_what_moved(adapter: ModelAdapter) -> None:
+    """A slide rotates the prefix, not the survivors (the window shifts as a whole); a recall at
+    the front writes the recalled chunk and moves the prefix back; the arena holds no holes."""
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    prefix = TextInput(torch.arange(2, 8))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET, patch=FULL_RANK), prefix)
+    chunks = pool()[:4]
+    for chunk in chunks:
+        cm.append(chunk)
+    cm.cache()
+    assert cm.offset == 0
+    rotated, rebuilds = cm.counters.tokens_rotated, cm.counters.rebuilds
+    gone = cm.slide(1)[0]
+    cache = cm.cache()
+    assert cm.offset == chunks[0].n_tokens
+    assert cm.counters.tokens_rotated - rotated == prefix.n_tokens
+    assert adapter.cache_length(cache) == cm.tokens
+    rotated = cm.counters.tokens_rotated
+    cm.recall(gone, at=1)
+    cache = cm.cache()
+    assert cm.offset == 0
+    assert cm.counters.tokens_rotated - rotated == prefix.n_tokens + chunks[0].n_tokens
+    assert adapter.cache_length(cache) == cm.tokens
+    assert cm.counters.rebuilds == rebuilds  # all of it in place
+    # a reorder that keeps the first two chunks in place rotates only the two that moved
+    rotated = cm.counters.tokens_rotated
+    ids = [v.chunk_id for v in cm.view()[1:]]
+    cm.reorder([*ids[:2], ids[3], ids[2]])
+    cm.cache()
+    assert cm.counters.tokens_rotated - rotated == chunks[2].n_tokens + chunks[3].n_tokens
+
+
+def test_a_cache_from_before_a_window_change_refuses_to_write(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))
+    for chunk in pool()[:3]:
+        cm.append(chunk)
+    old, start = cm.cache(), cm.next_start
+    probe = TextInput(torch.tensor([11, 12]))
+    adapter.next_logits(probe, old, start)  # the question's tokens go into spare room
+    assert adapter.cache_length(old) == cm.tokens + 2
+    cm.invalidate()
+    fresh = cm.cache()
+    assert adapter.cache_length(fresh) == cm.tokens  # the question is gone, nothing moved
+    with pytest.raises(StaleCacheError):
+        adapter.next_logits(probe, old, start)
+    cm.slide(1)
+    with pytest.raises(StaleCacheError):
+        adapter.next_logits(probe, fresh, start)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from cache.arena import KVArena
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec
 
@@ -127,8 +128,17 @@ class ModelAdapter(ABC):
         """A model cache over whole-window buffers ``k [L, H, T, D]`` (post-RoPE) and ``v``."""
 
     @abstractmethod
+    def cache_on(self, arena: KVArena) -> Any:
+        """A model cache over ``arena``'s used tokens; new tokens are written into its spare room."""
+
+    @abstractmethod
     def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
         """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
+
+    @abstractmethod
+    def next_logits(self, chunk: ChunkInput, cache: Any, start: int) -> torch.Tensor:
+        """Like :meth:`prefill` (``cache`` grows by the chunk) but only the logits ``[vocab]``
+        after its last token: no logits for the other tokens, no KV extracted."""
 
     @abstractmethod
     def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
@@ -175,8 +185,7 @@ class ModelAdapter(ABC):
 
         t0 = time.perf_counter()
         if first_logits is None:
-            out = self.prefill(prompt, cache, start)
-            first_logits = out.logits[-1]
+            first_logits = self.next_logits(prompt, cache, start)
         _, extent = self.chunk_positions(prompt)
         pos = start + extent
         token = int(first_logits.argmax())

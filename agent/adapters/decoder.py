@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, ModelInfo, Prefill, TextInput
+from cache.arena import KVArena
 from cache.keys import Namespace, image_key, token_key
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
@@ -55,6 +57,51 @@ def model_fingerprint(model: PreTrainedModel, name: str) -> str:
     return h.hexdigest()
 
 
+class ArenaLayer(DynamicLayer):
+    """One layer of a model cache whose tokens live in a :class:`KVArena`: the cached keys and
+    values are views of the arena's used tokens, and new ones are written into its spare room.
+
+    ``swap``: the model's key slot holds ChunkKV's ``v`` (MLA: the latent), its value slot ``k``.
+    """
+
+    def __init__(self, arena: KVArena, index: int, swap: bool) -> None:
+        super().__init__()
+        self.arena, self.index, self.swap = arena, index, swap
+        self.generation = arena.generation
+        self.device = arena.k.device
+        self.is_initialized = True
+        self._show()
+
+    def _show(self) -> None:
+        k, v = self.arena.views(self.index)
+        self.keys, self.values = (v, k) if self.swap else (k, v)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (value_states, key_states) if self.swap else (key_states, value_states)
+        if k.shape[0] != 1:
+            raise ValueError(f"a window cache holds one sequence, got a batch of {k.shape[0]}")
+        self.arena.append(self.index, k[0], v[0], self.generation)
+        k, v = self.arena.views(self.index)
+        self.keys, self.values = (v, k) if self.swap else (k, v)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.arena.lengths[self.index]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        n = self.arena.lengths[self.index]
+        self.arena.lengths[self.index] = max(0, n + tokens_to_remove)
+        self._show()
+
+
 class DecoderAdapter(ModelAdapter):
     """Any decoder-only transformers causal LM whose cache is a list of (keys, values) layers."""
 
@@ -72,6 +119,11 @@ class DecoderAdapter(ModelAdapter):
             cfg.qk_rope_head_dim if mla else (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         )
         self.spec = self._rope_spec(cfg)
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        # frequencies that depend on the sequence's length make attention depend on absolute
+        # positions: such a model's window cannot be shifted as a whole
+        self.shift_invariant = rope_type not in ("dynamic", "longrope")
         self.info = ModelInfo(
             name=name,
             architecture=cfg.model_type,
@@ -131,6 +183,16 @@ class DecoderAdapter(ModelAdapter):
             target.keys, target.values = key, value  # type: ignore[union-attr]
         return cache
 
+    def cache_on(self, arena: KVArena) -> DynamicCache:
+        """A cache over ``arena``'s used tokens (post-RoPE, ChunkKV layout); the model's next
+        forward writes its new tokens into the arena's spare room, copying nothing else."""
+        if arena.n_layers != self.info.n_layers:
+            raise ValueError(f"the arena has {arena.n_layers} layers, the model {self.info.n_layers}")
+        cache = self.empty_cache()
+        swap = self.family == "mla"
+        cache.layers[: self.info.n_layers] = [ArenaLayer(arena, i, swap) for i in range(self.info.n_layers)]
+        return cache
+
     def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
         """The KV of ``chunk``, the last tokens in ``cache``, placed at ``start`` (pre-RoPE)."""
         rel, extent = self.chunk_positions(chunk)
@@ -186,11 +248,21 @@ class DecoderAdapter(ModelAdapter):
             raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
         return self.model.get_input_embeddings()(chunk.ids.to(self.device)[None])
 
-    def _run(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _run(
+        self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool = False
+    ) -> torch.Tensor:
         out = self.base(
             inputs_embeds=embeds, position_ids=self._position_ids(positions), cache=cache, use_cache=True
         )
-        return self.lm_head(out.last_hidden_state)[0].float()
+        hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        return self.lm_head(hidden)[0].float()
+
+    @torch.inference_mode()
+    def next_logits(self, chunk: ChunkInput, cache: Any, start: int) -> torch.Tensor:
+        if chunk.n_tokens == 0:
+            raise ValueError("cannot run an empty chunk")
+        rel, _ = self.chunk_positions(chunk)
+        return self._run(self._embed(chunk), (rel + start).to(self.device), cache, last_only=True)[-1]
 
     @torch.inference_mode()
     def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
