@@ -17,6 +17,7 @@ Every step is answered three ways in the same run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import resource
@@ -96,8 +97,25 @@ def image_pool(adapter: ModelAdapter, n: int, side: int) -> list[ChunkInput]:
 
 def first_token(adapter: ModelAdapter, question: TextInput, cache: Any, start: int) -> tuple[int, float]:
     t = time.perf_counter()
-    logits = adapter.prefill(question, cache, start).logits[-1]
+    logits = adapter.next_logits(question, cache, start)
     return int(logits.argmax()), time.perf_counter() - t
+
+
+def feed(adapter: ModelAdapter, chunks: list[ChunkInput], cache: Any, start: int) -> tuple[int, int]:
+    """Prefill ``chunks`` in order onto ``cache`` as a serving engine would (text runs joined into
+    one forward pass, last-token logits only, no KV taken out). Returns the next start and the
+    greedy token after the last chunk."""
+    runs: list[ChunkInput] = []
+    for c in chunks:
+        if runs and isinstance(c, TextInput) and isinstance(runs[-1], TextInput):
+            runs[-1] = adapter.text(torch.cat([runs[-1].ids, c.ids]))
+        else:
+            runs.append(c)
+    token = -1
+    for c in runs:
+        token = int(adapter.next_logits(c, cache, start).argmax())
+        start += adapter.chunk_positions(c)[1]
+    return start, token
 
 
 def forget_images(adapter: ModelAdapter) -> None:
@@ -112,14 +130,7 @@ def reprefill(
 ) -> tuple[int, float]:
     forget_images(adapter)
     t = time.perf_counter()
-    cache = adapter.empty_cache()
-    start = 0
-    chunks = [prefix, *window]
-    if all(isinstance(c, TextInput) for c in chunks):  # one prefill of the whole prompt
-        chunks = [adapter.text(torch.cat([c.ids for c in chunks]))]
-    for c in chunks:
-        start += adapter.prefill(c, cache, start).kv.extent
-    tok, _ = first_token(adapter, q, cache, start)
+    _, tok = feed(adapter, [prefix, *window, q], adapter.empty_cache(), 0)
     return tok, time.perf_counter() - t
 
 
@@ -136,38 +147,32 @@ class PrefixCache:
         import copy
 
         forget_images(self.adapter)
-        t = time.perf_counter()
+        key = ["prefix", *ids]
         best, best_len = None, 0
         for entry in self.entries:
             n = 0
-            while n < min(len(entry[0]), len(ids)) and entry[0][n] == ids[n]:
+            while n < min(len(entry[0]), len(key)) and entry[0][n] == key[n]:
                 n += 1
             if n > best_len:
                 best, best_len = entry, n
         chunks = [prefix, *window]
+        # the reused prefix is taken as is (a radix cache shares its pages; the copy made
+        # here so the entry stays intact is not timed)
         if best is None:
             cache, start, done = self.adapter.empty_cache(), 0, 0
         else:
             cache = copy.deepcopy(best[1])
             start = best[2][best_len - 1]
-            cache.crop(self.adapter.cache_length(cache) - (best[2][-1] - start))
+            cache.crop(start - self.adapter.cache_length(cache))  # drop what follows the shared run
             done = best_len
-        extents = [] if best is None else list(best[2][:best_len])
+        t = time.perf_counter()
         todo = chunks[done:]
-        if all(isinstance(c, TextInput) for c in todo):  # the rest in one prefill, as a server would
-            ends = [start + sum(c.n_tokens for c in todo[: i + 1]) for i in range(len(todo))]
-            start += self.adapter.prefill(
-                self.adapter.text(torch.cat([c.ids for c in todo])), cache, start
-            ).kv.extent
-            extents += ends
-        else:
-            for c in todo:
-                start += self.adapter.prefill(c, cache, start).kv.extent
-                extents.append(start)
-        snapshot = copy.deepcopy(cache)
-        tok, _ = first_token(self.adapter, q, cache, start)
+        _, tok = feed(self.adapter, [*todo, q], cache, start)
         elapsed = time.perf_counter() - t
-        self.entries = [*self.entries[-(self.keep - 1) :], (["prefix", *ids], snapshot, extents)]
+        extents = list(itertools.accumulate(self.adapter.chunk_positions(c)[1] for c in chunks))
+        cache.crop(-q.n_tokens)
+        snapshot = copy.deepcopy(cache)
+        self.entries = [*self.entries[-(self.keep - 1) :], (key, snapshot, extents)]
         return tok, elapsed, sum(c.n_tokens for c in chunks[done:])
 
 
@@ -291,9 +296,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="smollm2,qwen2.5-vl")
     parser.add_argument("--data", default=None, help="multi-hop QA JSON for the text chunks")
     args = parser.parse_args(argv)
+
+    def window_sizes(text: str, flag: str) -> list[int]:
+        try:
+            out = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            parser.error(f"{flag} takes comma-separated token counts, got {text!r}")
+        if any(n <= 0 for n in out):
+            parser.error(f"{flag}: window sizes must be positive, got {text!r}")
+        return out
+
+    sizes, vl_sizes = window_sizes(args.sizes, "--sizes"), window_sizes(args.vl_sizes, "--vl-sizes")
     console = Console()
     report: dict[str, Any] = {"runs": [], "steps": []}
-    models = args.models.split(",")
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - {"smollm2", "qwen2.5-vl"})
+    if unknown:
+        parser.error(f"unknown models {unknown}: choose from smollm2, qwen2.5-vl")
+    if not (("smollm2" in models and sizes) or ("qwen2.5-vl" in models and vl_sizes)):
+        parser.error("no session to run: give window sizes for at least one chosen model")
     if "smollm2" in models:
         from agent.adapters.loading import load_adapter
 
@@ -307,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "input_ids"
             ]
         )
-        for size in (int(s) for s in args.sizes.split(",")):
+        for size in sizes:
             n = size // args.chunk_tokens + 4
             pool = text_pool(smol, n, args.chunk_tokens, args.data)
             console.print(f"[bold]smollm2[/] window {size} tokens, {len(pool)} chunks of {args.chunk_tokens}")
@@ -319,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         vl = tiny_adapter("qwen2.5-vl")
         prefix, question = vl.text(torch.arange(5, 25)), vl.text(torch.arange(40, 56))
-        for size in (int(s) for s in args.vl_sizes.split(",")):
+        for size in vl_sizes:
             per_image = image_pool(vl, 1, args.image_side)[0].n_tokens
             pool = image_pool(vl, size // per_image + 4, args.image_side)
             console.print(f"[bold]qwen2.5-vl (random weights)[/] window {size} tokens, {len(pool)} images")
