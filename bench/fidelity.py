@@ -68,6 +68,7 @@ class FidelityConfig:
     ranks: tuple[int, ...] = (8, 16, 32)
     budgets: tuple[float, ...] = (6.0, 12.0)
     matched_budgets: bool = True
+    budget_weighting: str = "absolute"
     cacheblend: tuple[float, ...] = (15.0,)
     epic: tuple[int, ...] = (16,)
     canonical: tuple[str, ...] = CANONICAL_MODES
@@ -247,11 +248,15 @@ def _patch_configs(
     out = {f"patch-r{m}": PatchConfig(rank=rank_strategy("fixed", rank=m)) for m in config.ranks}
     for pct in config.budgets:
         nbytes = int(pct / 100 * kv_bytes)
-        out[f"patch-budget-{pct:g}"] = PatchConfig(rank=rank_strategy("budget", nbytes=nbytes))
+        out[f"patch-budget-{pct:g}"] = PatchConfig(
+            rank=rank_strategy("budget", nbytes=nbytes, weighting=config.budget_weighting)
+        )
     if config.matched_budgets:
         for m in config.ranks:
             nbytes = n_layers * min(m, n_tokens, width) * (n_tokens + width) * KV_STORAGE_BYTES
-            out[f"patch-budget-r{m}"] = PatchConfig(rank=rank_strategy("budget", nbytes=nbytes))
+            out[f"patch-budget-r{m}"] = PatchConfig(
+                rank=rank_strategy("budget", nbytes=nbytes, weighting=config.budget_weighting)
+            )
     return out
 
 
@@ -595,6 +600,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="leave out patch-budget-r<m> (the budget strategy at patch-r<m>'s bytes)",
     )
+    parser.add_argument(
+        "--budget-weighting",
+        choices=("absolute", "relative"),
+        default="absolute",
+        help="how the budget strategy weighs a layer's singular values (see cache/rank.py)",
+    )
     parser.add_argument("--cacheblend", default="15", help="recompute ratios, %% of chunk tokens")
     parser.add_argument("--epic", default="16", help="first-k token counts")
     parser.add_argument("--limit", type=int, default=None)
@@ -616,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranks=tuple(int(r) for r in _floats(args.ranks)),
         budgets=_floats(args.budgets),
         matched_budgets=not args.no_matched_budgets,
+        budget_weighting=args.budget_weighting,
         cacheblend=_floats(args.cacheblend),
         epic=tuple(int(k) for k in _floats(args.epic)),
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),

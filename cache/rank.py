@@ -11,6 +11,9 @@ name from :data:`RANK_STRATEGIES`:
 - ``budget``: one byte budget for the whole chunk, shared greedily by marginal energy per byte
   (water-filling): the next rank goes to the block whose next singular value buys the most
   energy per byte. Deep layers, whose Δ is larger, get more. Never exceeds the budget.
+  ``weighting="relative"`` counts each block's energy as a share of that block's Δ instead
+  (every layer's deficit weighs the same, however large its KV), so shallow layers, whose
+  errors every later layer of the new tokens reads, are not starved by deep ones.
 
 Not here: computing spectra or factors (``cache/patch.py``).
 """
@@ -94,10 +97,17 @@ class EnergyRank:
 @dataclass(frozen=True)
 class BudgetRank:
     nbytes: int
+    weighting: str = "absolute"
 
     def __post_init__(self) -> None:
         if self.nbytes < 0:
             raise ValueError(f"byte budget must be >= 0, got {self.nbytes}")
+        if self.weighting not in ("absolute", "relative"):
+            raise ValueError(f"weighting must be 'absolute' or 'relative', got {self.weighting!r}")
+
+    def _gain(self, b: BlockSpectrum, i: int) -> float:
+        e = float(b.energies[i])
+        return e / b.total if self.weighting == "relative" and b.total > 0 else e
 
     def select(self, blocks: Sequence[BlockSpectrum]) -> tuple[int, ...]:
         ranks = [0] * len(blocks)
@@ -105,7 +115,7 @@ class BudgetRank:
         # max-heap on energy per byte of each block's next singular triplet; within a block the
         # ratio never grows, so popping in order is the greedy water-filling.
         heap = [
-            (-float(b.energies[0]) / b.bytes_per_rank, i)
+            (-self._gain(b, 0) / b.bytes_per_rank, i)
             for i, b in enumerate(blocks)
             if len(b.energies) and b.bytes_per_rank > 0
         ]
@@ -118,7 +128,7 @@ class BudgetRank:
             left -= cost
             ranks[i] += 1
             if ranks[i] < len(blocks[i].energies):
-                heapq.heappush(heap, (-float(blocks[i].energies[ranks[i]]) / cost, i))
+                heapq.heappush(heap, (-self._gain(blocks[i], ranks[i]) / cost, i))
         return tuple(ranks)
 
     def rank_cap(self, bytes_per_rank: Sequence[int]) -> int | None:

@@ -84,3 +84,14 @@ def test_budget_beats_fixed_at_equal_bytes_when_energy_grows_with_depth(arrangem
     assert r_budget < 0.9 * r_fixed
     ranks = budget.patch.ranks
     assert sum(ranks[len(ranks) // 2 :]) > sum(ranks[: len(ranks) // 2])  # deep layers got more
+
+
+def test_relative_weighting_shares_the_budget_by_each_block_s_own_deficit() -> None:
+    big = BlockSpectrum(torch.tensor([100.0, 90.0, 80.0, 70.0], dtype=torch.float64), 400.0, 10)
+    small = BlockSpectrum(torch.tensor([1.0, 0.2, 0.1, 0.05], dtype=torch.float64), 1.4, 10)
+    assert BudgetRank(40).select([big, small]) == (4, 0)  # absolute: the big block takes all
+    # relative: small's first triplet is 71 % of its deficit, worth more than big's 4th (17.5 %)
+    ranks = BudgetRank(40, weighting="relative").select([big, small])
+    assert ranks == (3, 1)
+    with pytest.raises(ValueError, match="weighting"):
+        BudgetRank(10, weighting="loud")
