@@ -7,12 +7,16 @@ from itertools import pairwise
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cache.cdc import (
+    _PRUNE_ROUNDS,
     CHUNKERS,
     CDCConfig,
+    _chain,
+    _cut_table,
+    _segments,
     chunk_bounds,
     gear_hash,
     gear_values,
@@ -176,11 +180,87 @@ def test_edit_changes_only_nearby_chunks(seed: int, n: int, at: float, k: int, i
     assert [b for b in after if b >= resync] == [b + delta for b in before if b + delta >= resync]
 
 
-def test_throughput_at_least_20m_tokens_per_second() -> None:
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 500),
+    vocab=st.sampled_from([1, 2, 3, 40, 50_000]),
+    sizes=st.sampled_from([(1, 1, 1), (1, 2, 4), (2, 8, 32), (3, 8, 20), (4, 16, 64), (16, 64, 256)]),
+    window=st.sampled_from([1, 2, 4, 8, 16]),
+    normalization=st.integers(0, 2),
+    multiplier=st.sampled_from([2, 0x01000193]),
+    n_forced=st.integers(0, 12),
+)
+def test_gear_chunking_matches_reference_on_random_inputs(
+    seed: int,
+    n: int,
+    vocab: int,
+    sizes: tuple[int, int, int],
+    window: int,
+    normalization: int,
+    multiplier: int,
+    n_forced: int,
+) -> None:
+    """Small vocabularies give long low-entropy runs (max_size cuts) and periodic hashes."""
+    assume(max(1, round(np.log2(sizes[1]))) - normalization >= 1)
+    cfg = CDCConfig(*sizes, window=window, normalization=normalization, multiplier=multiplier)
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, vocab, n)
+    forced = sorted(rng.integers(0, n + 1, n_forced).tolist())
+    assert chunk_bounds(tok, cfg, forced).tolist() == ref_chunk(tok, cfg, forced)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), vocab=st.sampled_from([1, 2, 50_000]))
+def test_chain_by_pruning_equals_chain_by_pointer_doubling(seed: int, n: int, vocab: int) -> None:
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, vocab, n)
+    cfg = CDCConfig(2, 8, 32, 4)
+    seg = _segments(n, rng.integers(0, n + 1, 3).tolist())
+    table = _cut_table(gear_hash(tok, cfg, seg), cfg, seg)
+    by_pruning = _chain(table, rounds=10**6)
+    assert by_pruning.tolist() == _chain(table, rounds=0).tolist()
+    assert by_pruning.tolist() == _chain(table).tolist()
+
+
+def test_chains_that_never_merge_are_resolved() -> None:
+    """Constant input whose hash is a small candidate everywhere: the chains from even and
+    odd starts run side by side to the segment end, so pruning would need about n / 4 rounds
+    and the chain is found by pointer doubling."""
+    cfg = CDCConfig(2, 8, 32, 4)
+    v = next(v for v in range(1000) if int(gear_hash(np.full(8, v), cfg)[-1]) & cfg.mask_small == 0)
+    tok = np.full(4 * _PRUNE_ROUNDS + 500, v)
+    b = chunk_bounds(tok, cfg, [37])
+    assert b.tolist() == ref_chunk(tok, cfg, [37])
+    assert np.median(np.diff(b)) == cfg.min_size
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 200),
+    window=st.sampled_from([1, 2, 4, 8, 32]),
+    multiplier=st.sampled_from([2, 0x01000193]),
+    n_starts=st.integers(0, 20),
+)
+def test_window_hash_restarts_match_direct_sum(
+    seed: int, n: int, window: int, multiplier: int, n_starts: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    cfg = CDCConfig(min_size=1, avg_size=32, max_size=64, window=window, multiplier=multiplier)
+    tok = rng.integers(0, 50_000, n)
+    starts = sorted(set(rng.integers(0, n + 1, n_starts).tolist()))
+    got = window_hash(gear_values(tok), window, multiplier, np.array(sorted({0, n, *starts})))
+    assert got.tolist() == ref_hash(tok, cfg, starts)
+
+
+@pytest.mark.parametrize("cfg", [CDCConfig(), CDCConfig(2, 8, 32, 4)], ids=["16-64-256", "2-8-32-w4"])
+def test_throughput_at_least_20m_tokens_per_second(cfg: CDCConfig) -> None:
+    """2/8/32 with window 4 is the trace benchmark's configuration."""
     rng = np.random.default_rng(4)
     tok = rng.integers(0, 50_000, 1_000_000)
     forced = np.arange(0, 1_000_000, 400)
-    best = min(_timed(lambda: chunk_bounds(tok, CDCConfig(), forced)) for _ in range(5))
+    best = min(_timed(lambda: chunk_bounds(tok, cfg, forced)) for _ in range(5))
     assert 1_000_000 / best >= 20e6, f"{1 / best:.1f} Mtokens/s"
 
 
