@@ -211,6 +211,10 @@ class Lookup(NamedTuple):
     entry: ContentEntry | None
 
 
+_MISS = Lookup("miss", None)
+_COLLISION = Lookup("collision", None)
+
+
 @dataclass
 class IndexStats:
     hits: int = 0
@@ -222,13 +226,22 @@ class IndexStats:
 
 def fingerprint(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """16-byte BLAKE2b of the token ids, personalised so it is independent of the content key."""
-    return hashlib.blake2b(token_bytes(tokens), digest_size=16, person=b"kamera-fp").digest()
+    return _fingerprint(token_bytes(tokens))
+
+
+def _fingerprint(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16, person=b"kamera-fp").digest()
+
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
 
 class ContentIndex:
     """Content key -> entry, verified on every hit; LRU-bounded when ``max_entries`` is set.
 
     verify: "tokens" keeps the ids (exact), "fingerprint" a 16-byte hash of them (smaller).
+    Entries are held by digest (bytes hash and compare in C; ``ContentKey`` would go through
+    Python-level ``__hash__`` and ``__eq__`` on every probe).
     """
 
     def __init__(self, verify: Literal["tokens", "fingerprint"] = "tokens", max_entries: int | None = None):
@@ -239,48 +252,68 @@ class ContentIndex:
         self.verify = verify
         self.max_entries = max_entries
         self.stats = IndexStats()
-        self._entries: OrderedDict[ContentKey, ContentEntry] = OrderedDict()
+        self._entries: OrderedDict[bytes, ContentEntry] = OrderedDict()
 
-    def _check(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
-        return token_bytes(tokens) if self.verify == "tokens" else fingerprint(tokens)
+    def _check(self, chunk: bytes) -> bytes:
+        """What an entry keeps to verify a hit, from the chunk's token bytes."""
+        return chunk if self.verify == "tokens" else _fingerprint(chunk)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return isinstance(key, ContentKey) and key.digest in self._entries
 
-    def lookup(self, key: ContentKey, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> Lookup:
+    def lookup(self, key: ContentKey, tokens: TokenIds) -> Lookup:
         """Entry for ``key`` if its stored tokens equal ``tokens``; counts hit, miss or collision."""
-        entry = self._entries.get(key)
+        return self._lookup(key, token_bytes(tokens))
+
+    def lookup_many(
+        self, keys: Sequence[ContentKey], tokens: TokenIds, spans: Sequence[tuple[int, int]]
+    ) -> list[Lookup]:
+        """``lookup(keys[i], tokens[s:e])`` for each ``(s, e) = spans[i]``, in order; tokens [T].
+
+        The token bytes are built once and sliced per chunk.
+        """
+        data = token_bytes(tokens)
+        return [self._lookup(k, data[8 * s : 8 * e]) for k, (s, e) in zip(keys, spans, strict=True)]
+
+    def _lookup(self, key: ContentKey, chunk: bytes) -> Lookup:
+        entry = self._entries.get(key.digest)
         if entry is None:
             self.stats.misses += 1
-            return Lookup("miss", None)
-        if entry.check != self._check(tokens):
+            return _MISS
+        if entry.check != self._check(chunk):
             self.stats.collisions += 1
-            return Lookup("collision", None)
+            return _COLLISION
         self.stats.hits += 1
-        self._entries.move_to_end(key)
+        self._entries.move_to_end(key.digest)
         return Lookup("hit", entry)
 
-    def insert(
-        self,
-        key: ContentKey,
-        tokens: Sequence[int] | np.ndarray | torch.Tensor,
-        payload: object,
-        source_start: int = 0,
-    ) -> Lookup:
+    def insert(self, key: ContentKey, tokens: TokenIds, payload: object, source_start: int = 0) -> Lookup:
         """Store a chunk. An existing entry with the same tokens is kept ("hit"); one with other
         tokens under the same key is left alone and the insert refused ("collision")."""
-        check = self._check(tokens)
-        old = self._entries.get(key)
+        return self._insert(key, token_bytes(tokens), payload, source_start)
+
+    def insert_many(
+        self, keys: Sequence[ContentKey], tokens: TokenIds, spans: Sequence[tuple[int, int]], payload: object
+    ) -> list[Lookup]:
+        """``insert(keys[i], tokens[s:e], payload, s)`` for each ``(s, e) = spans[i]``; tokens [T]."""
+        data = token_bytes(tokens)
+        return [
+            self._insert(k, data[8 * s : 8 * e], payload, s) for k, (s, e) in zip(keys, spans, strict=True)
+        ]
+
+    def _insert(self, key: ContentKey, chunk: bytes, payload: object, source_start: int) -> Lookup:
+        check = self._check(chunk)
+        old = self._entries.get(key.digest)
         if old is not None:
             if old.check != check:
                 self.stats.collisions += 1
-                return Lookup("collision", None)
+                return _COLLISION
             return Lookup("hit", old)
-        entry = ContentEntry(key, len(_as_ids(tokens)), check, payload, source_start)
-        self._entries[key] = entry
+        entry = ContentEntry(key, len(chunk) // 8, check, payload, source_start)
+        self._entries[key.digest] = entry
         self.stats.inserts += 1
         if self.max_entries is not None and len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -288,4 +321,4 @@ class ContentIndex:
         return Lookup("miss", entry)
 
     def remove(self, key: ContentKey) -> ContentEntry | None:
-        return self._entries.pop(key, None)
+        return self._entries.pop(key.digest, None)

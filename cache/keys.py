@@ -44,8 +44,18 @@ def _hasher() -> Any:
     return _blake3.blake3() if _blake3 is not None else hashlib.blake2b(digest_size=DIGEST_SIZE)
 
 
+def _digest(data: bytes) -> bytes:
+    """One-shot hash of ``data`` (what ``_hasher`` gives after one update)."""
+    if _blake3 is not None:
+        return _blake3.blake3(data).digest()
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+_LENGTH = struct.Struct(">Q")
+
+
 def _frame(tag: bytes, payload: bytes) -> bytes:
-    return tag + struct.pack(">Q", len(payload)) + payload
+    return tag + _LENGTH.pack(len(payload)) + payload
 
 
 def encode_value(value: FieldValue) -> bytes:
@@ -134,9 +144,13 @@ class ContentKey:
         return self.hex
 
 
+def _kind_prefix(kind: str) -> bytes:
+    return encode_value(_DOMAIN) + encode_value(HASH_NAME) + encode_value(kind)
+
+
 def _key(kind: str, parts: Sequence[bytes]) -> ContentKey:
     h = _hasher()
-    h.update(encode_value(_DOMAIN) + encode_value(HASH_NAME) + encode_value(kind))
+    h.update(_kind_prefix(kind))
     for p in parts:
         h.update(p)
     return ContentKey(h.digest()[:DIGEST_SIZE])
@@ -155,6 +169,19 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
 def token_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> ContentKey:
     """Key of a text chunk: namespace and its token ids [T]."""
     return _key("tokens", [_frame(b"n", namespace.encoded), _frame(b"t", token_bytes(tokens))])
+
+
+def token_keys(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray | torch.Tensor, spans: Iterable[tuple[int, int]]
+) -> list[ContentKey]:
+    """Keys of the chunks ``tokens[s:e]`` for each ``(s, e)`` of ``spans``; tokens [T].
+
+    Equal to ``token_key`` on each chunk. The framed prefix (domain, hash, kind, namespace) and
+    the token bytes are built once, so a chunk costs one slice and one hash call.
+    """
+    data = token_bytes(tokens)
+    head = _kind_prefix("tokens") + _frame(b"n", namespace.encoded) + b"t"
+    return [ContentKey(_digest(head + _LENGTH.pack(8 * (e - s)) + data[8 * s : 8 * e])) for s, e in spans]
 
 
 def tensor_bytes(x: torch.Tensor) -> bytes:

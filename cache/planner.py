@@ -25,7 +25,7 @@ import torch
 
 from cache.cdc import CDCConfig, as_token_array, chunk_bounds, spans
 from cache.index import ContentIndex, RadixKey, RadixTree, Segment
-from cache.keys import ContentKey, Namespace, token_key
+from cache.keys import ContentKey, Namespace, token_key, token_keys
 
 Status = Literal["prefix-hit", "relocated-hit", "miss"]
 STATUSES: tuple[Status, ...] = ("prefix-hit", "relocated-hit", "miss")
@@ -111,23 +111,40 @@ class Planner:
         ids = as_token_array(tokens)
         match = self.radix.match_prefix(RadixKey(ids, self._root_key))
         p = match.matched_len
-        chunks: list[PlannedChunk] = []
-        for s, e in self.chunk_spans(ids, boundaries):
-            if e <= p:
-                key = token_key(self.namespace, ids[s:e])
-                chunks.append(PlannedChunk(s, e, key, "prefix-hit", s, None))
-                continue
-            if s < p:  # straddles the prefix end: keep the prefix part, find the rest in the whole chunk
-                whole = self.index.lookup(token_key(self.namespace, ids[s:e]), ids[s:e]).entry
-                chunks.append(PlannedChunk(s, p, token_key(self.namespace, ids[s:p]), "prefix-hit", s, None))
-                if whole is not None:
-                    key = token_key(self.namespace, ids[p:e])
-                    src = whole.source_start + p - s
-                    chunks.append(PlannedChunk(p, e, key, "relocated-hit", src, whole.payload))
-                    continue
-                s = p
-            chunks.append(self._lookup(ids, s, e))
+        bounds = chunk_bounds(ids, self.config.cdc, boundaries, self.config.chunker)
+        ranges = spans(bounds)
+        keys = token_keys(self.namespace, ids, ranges)
+        n_prefix = int(np.searchsorted(bounds[1:], p, side="right"))  # chunks that end by p
+        chunks = [
+            PlannedChunk(s, e, k, "prefix-hit", s, None)
+            for (s, e), k in zip(ranges[:n_prefix], keys[:n_prefix], strict=True)
+        ]
+        rest = n_prefix
+        if rest < len(ranges) and ranges[rest][0] < p:
+            chunks.extend(self._split_at_prefix_end(ids, ranges[rest], keys[rest], p))
+            rest += 1
+        found = self.index.lookup_many(keys[rest:], ids, ranges[rest:])
+        for (s, e), k, r in zip(ranges[rest:], keys[rest:], found, strict=True):
+            if r.entry is None:
+                chunks.append(PlannedChunk(s, e, k, "miss", None, None))
+            else:
+                chunks.append(PlannedChunk(s, e, k, "relocated-hit", r.entry.source_start, r.entry.payload))
         return Plan(tuple(chunks), p, len(ids), match.segments)
+
+    def _split_at_prefix_end(
+        self, ids: np.ndarray, span: tuple[int, int], key: ContentKey, p: int
+    ) -> list[PlannedChunk]:
+        """A chunk [s, e) with s < p < e: the prefix part, then the rest, found in the whole chunk."""
+        s, e = span
+        whole = self.index.lookup(key, ids[s:e]).entry
+        head = PlannedChunk(s, p, token_key(self.namespace, ids[s:p]), "prefix-hit", s, None)
+        if whole is not None:
+            tail_key = token_key(self.namespace, ids[p:e])
+            return [
+                head,
+                PlannedChunk(p, e, tail_key, "relocated-hit", whole.source_start + p - s, whole.payload),
+            ]
+        return [head, self._lookup(ids, p, e)]
 
     def _lookup(self, ids: np.ndarray, s: int, e: int) -> PlannedChunk:
         key = token_key(self.namespace, ids[s:e])
@@ -148,11 +165,9 @@ class Planner:
         if len(ids) != plan.n_tokens:
             raise ValueError(f"plan covers {plan.n_tokens} tokens, got {len(ids)}")
         ins = self.radix.insert(RadixKey(ids, self._root_key), payload)
-        new, collisions = 0, 0
-        for c in plan.chunks:
-            if c.status == "relocated-hit":
-                continue
-            r = self.index.insert(c.key, ids[c.start : c.end], payload, c.start)
-            new += r.status == "miss"
-            collisions += r.status == "collision"
-        return CommitResult(ins.new_tokens, new, collisions)
+        stored = [c for c in plan.chunks if c.status != "relocated-hit"]
+        done = self.index.insert_many(
+            [c.key for c in stored], ids, [(c.start, c.end) for c in stored], payload
+        )
+        statuses = [r.status for r in done]
+        return CommitResult(ins.new_tokens, statuses.count("miss"), statuses.count("collision"))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from cache.keys import (
     encode_value,
     image_key,
     token_key,
+    token_keys,
 )
 
 NS = Namespace(model="smollm2-135m@abc", dtype="bfloat16")
@@ -71,6 +73,32 @@ def test_fallback_hash_is_blake2b(monkeypatch: pytest.MonkeyPatch) -> None:
     want = hashlib.blake2b(framed_token_input([1, 2], "blake2b-256"), digest_size=32).digest()
     assert token_key(NS, [1, 2]).digest == want
     assert want != with_blake3.digest
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    tokens=st.lists(st.integers(0, 2**40), max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    salt=st.text(max_size=3),
+)
+def test_token_keys_equal_token_key_of_each_chunk(tokens: list[int], cuts: list[int], salt: str) -> None:
+    ns = Namespace(NS.model, NS.dtype, tenant_salt=salt)
+    b = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    spans = [*pairwise(b), (0, 0)]  # an empty chunk too
+    want = [token_key(ns, tokens[s:e]) for s, e in spans]
+    assert token_keys(ns, tokens, spans) == want
+    assert token_keys(ns, np.array(tokens, dtype=np.int64), spans) == want
+
+
+def test_token_keys_follow_the_fallback_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache.keys as keys
+
+    monkeypatch.setattr(keys, "_blake3", None)
+    monkeypatch.setattr(keys, "HASH_NAME", "blake2b-256")
+    spans = [(0, 2), (2, 5)]
+    assert token_keys(NS, [1, 2, 3, 4, 5], spans) == [token_key(NS, [1, 2]), token_key(NS, [3, 4, 5])]
+    want = hashlib.blake2b(framed_token_input([1, 2], "blake2b-256"), digest_size=32).digest()
+    assert token_keys(NS, [1, 2], [(0, 2)])[0].digest == want
 
 
 def test_keys_are_small_hashable_values() -> None:
