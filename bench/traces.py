@@ -75,6 +75,16 @@ BYTES_PER_TOKEN = {
 }
 
 
+TIMING_KEYS = (
+    "lookup_ms_p50",
+    "plan_ms_mean",
+    "saved_tokens_mean",
+    "saved_prefill_ms_mean",
+    "plan_over_saved_prefill",
+    "breakeven_prefill_tokens_per_s",
+)
+
+
 # --- tokenizing through the chat template -------------------------------------------------------
 
 
@@ -166,18 +176,38 @@ def plan_overhead(stats: Sequence[RequestStat], prefill_s_per_token: float) -> f
     return sum(r.plan_ms for r in stats) / 1e3 / saved if saved > 0 else float("inf")
 
 
+def timing_fields(stats: Sequence[RequestStat], prefill_s_per_token: float | None) -> dict[str, float | None]:
+    """Plan cost per request beside the prefill it saves (tokens content addressing reuses
+    above the exact prefix). ``breakeven_prefill_tokens_per_s``: the prefill rate up to which
+    planning costs at most 1% of the prefill it saves (total saved tokens over 100 x total plan
+    seconds); a faster prefill (a GPU) needs a cheaper plan."""
+    plan_s = sum(r.plan_ms for r in stats) / 1e3
+    saved = sum(r.content - r.prefix for r in stats)
+    n = max(len(stats), 1)
+    out: dict[str, float | None] = {
+        "plan_ms_mean": plan_s * 1e3 / n,
+        "saved_tokens_mean": saved / n,
+        "breakeven_prefill_tokens_per_s": saved / (100 * plan_s) if plan_s > 0 else None,
+    }
+    if prefill_s_per_token is not None:
+        out["saved_prefill_ms_mean"] = saved * prefill_s_per_token * 1e3 / n
+        out["plan_over_saved_prefill"] = plan_overhead(stats, prefill_s_per_token)
+    return out
+
+
 def chunking_rate(
-    sessions: Sequence[Session], tokenize: Tokenizer, cdc: CDCConfig, repeats: int = 3
+    sessions: Sequence[Session], tokenize: Tokenizer, cdc: CDCConfig, repeats: int = 5
 ) -> float:
-    """Tokens per second of content-defined chunking on the last request of every session."""
+    """Tokens per CPU second of content-defined chunking on the last request of every session
+    (best of ``repeats`` each; CPU time, since the machine may be shared)."""
     toks = [tokenize(s.requests[-1]) for s in sessions if s.requests]
     total, seconds = 0, 0.0
     for t in toks:
         best = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             chunk_bounds(t.ids, cdc, t.message_starts)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.process_time() - t0)
         total, seconds = total + len(t.ids), seconds + best
     return total / seconds if seconds else float("nan")
 
@@ -477,13 +507,19 @@ def consistency(
 
 
 def prefill_rate(adapter: Any, ids: np.ndarray, n_tokens: int = 512, repeats: int = 2) -> float:
-    """Tokens per second of one SmolLM2 prefill of ``n_tokens`` real prompt tokens from empty."""
+    """Tokens per CPU second of one SmolLM2 prefill of ``n_tokens`` real prompt tokens from empty,
+    on one thread: the same clock and the same one core as the plan it is compared with."""
     chunk = adapter.text(torch.as_tensor(ids[:n_tokens], dtype=torch.int64))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        adapter.prefill(chunk, adapter.empty_cache(), 0)
-        best = min(best, time.perf_counter() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.process_time()
+            adapter.prefill(chunk, adapter.empty_cache(), 0)
+            best = min(best, time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return chunk.n_tokens / best
 
 
@@ -563,23 +599,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     }
     all_sessions = [s for v in sets.values() for s in v]
-    timing: dict[str, float | None] = {"chunking_tokens_per_s": chunking_rate(all_sessions, tokenize, cdc)}
+    timing: dict[str, Any] = {
+        "clock": "process CPU time, one thread",
+        "chunking_tokens_per_s": chunking_rate(all_sessions, tokenize, cdc),
+    }
     s_per_token = None
     if adapter is not None and all_sessions:
         rate = prefill_rate(adapter, tokenize(all_sessions[0].requests[-1]).ids)
         timing["prefill_tokens_per_s"], s_per_token = rate, 1.0 / rate
-    result["timing"] = timing
 
     def fields(name: str, stats: list[RequestStat]) -> dict[str, Any]:
-        rec: dict[str, Any] = policy_fields(summarize(name, stats))
-        if s_per_token is not None:
-            rec["plan_over_saved_prefill"] = plan_overhead(stats, s_per_token)
-        return rec
+        return {**policy_fields(summarize(name, stats)), **timing_fields(stats, s_per_token)}
 
     result["sets"] = {
         s: {"policies": {p: fields(p, st) for p, st in by.items()}} for s, by in per_set.items()
     }
     result["policies"] = {p: fields(p, [r for by in per_set.values() for r in by[p]]) for p in policies}
+    timing["policies"] = {
+        p: {k: v for k, v in r.items() if k in TIMING_KEYS} for p, r in result["policies"].items()
+    }
+    result["timing"] = timing
 
     ref: dict[str, Any] = {}
     root = data_root()
@@ -672,8 +711,30 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
     t = result["timing"]
     console.print(
         f"chunking {_fmt(t['chunking_tokens_per_s'] / 1e6, '.1f')}M tokens/s; "
-        f"SmolLM2 prefill {_fmt(t.get('prefill_tokens_per_s'), ',.0f')} tokens/s"
+        f"SmolLM2 prefill {_fmt(t.get('prefill_tokens_per_s'), ',.0f')} tokens/s ({t['clock']})"
     )
+    tt = Table(title="Plan (chunking + keys + lookup) per request beside the prefill it saves")
+    for col in (
+        "policy",
+        "plan ms p50",
+        "plan ms mean",
+        "saved tokens",
+        "saved prefill ms",
+        "plan / saved",
+        "1% up to tok/s",
+    ):
+        tt.add_column(col, justify="left" if col == "policy" else "right")
+    for p, r in t["policies"].items():
+        tt.add_row(
+            p,
+            _fmt(r["lookup_ms_p50"], ".2f"),
+            _fmt(r["plan_ms_mean"], ".2f"),
+            _fmt(r["saved_tokens_mean"], ",.0f"),
+            _fmt(r.get("saved_prefill_ms_mean"), ",.0f"),
+            _fmt(r.get("plan_over_saved_prefill"), ".2e"),
+            _fmt(r["breakeven_prefill_tokens_per_s"], ",.0f"),
+        )
+    console.print(tt)
     ref = result["reference"]
     if ref:
         console.print(

@@ -21,10 +21,12 @@ from bench.traces import (
     plan_pieces,
     policy_fields,
     run_method,
+    timing_fields,
     truncate,
 )
 from bench.traces_data import (
     MessageTokenizer,
+    RequestStat,
     Tokenized,
     data_root,
     get_policy,
@@ -194,6 +196,26 @@ def test_cli_writes_the_json_keys(tmp_path: Path) -> None:
     assert r["consistency"]["deepseek-mla"]["mla_latent_identical"] is True
     assert "reference" in r
     assert r["timing"]["chunking_tokens_per_s"] > 0
+    for name in ("append", "window-2", "dynamic-system", "mask-observations-1", "rerank"):
+        t = r["timing"]["policies"][name]
+        assert {
+            "lookup_ms_p50",
+            "plan_ms_mean",
+            "saved_tokens_mean",
+            "breakeven_prefill_tokens_per_s",
+        } <= set(t)
+
+
+def test_timing_fields_put_the_plan_beside_the_prefill_it_saves() -> None:
+    stats = [RequestStat(3000, 1000, 2000, 2100, 1.5), RequestStat(500, 0, 0, 0, 0.5)]
+    t = timing_fields(stats, prefill_s_per_token=1e-3)  # 1,000 tokens/s
+    assert t["plan_ms_mean"] == pytest.approx(1.0)
+    assert t["saved_tokens_mean"] == pytest.approx(500)  # (2000 - 1000 + 0) / 2 requests
+    assert t["saved_prefill_ms_mean"] == pytest.approx(500)
+    assert t["plan_over_saved_prefill"] == pytest.approx(2e-3 / 1.0)
+    # 1% holds while 1,000 saved tokens take at least 100 x 2 ms to prefill: up to 5,000 tokens/s.
+    assert t["breakeven_prefill_tokens_per_s"] == pytest.approx(5000)
+    assert "plan_over_saved_prefill" not in timing_fields(stats, None)
 
 
 def test_template_tokenizer_pieces_match_the_whole_text() -> None:
