@@ -239,6 +239,40 @@ class ContextManager:
         return out
 
     @torch.inference_mode()
+    def append_many(
+        self, chunks: Sequence[ChunkInput], metas: Sequence[dict[str, Any] | None] | None = None
+    ) -> list[ChunkKV]:
+        """Prefill several chunks at the end of the window, as many per forward pass as the
+        budget allows (sliding first to make room); each one's KV is exact in context, as if
+        appended one by one. Returns their KV, in order."""
+        metas = list(metas) if metas is not None else [None] * len(chunks)
+        if len(metas) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks but {len(metas)} metadata entries")
+        room = self.config.budget_tokens - self._slots[0].kv.n_tokens
+        for chunk in chunks:
+            if chunk.n_tokens > room:
+                raise ValueError(
+                    f"a {chunk.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
+                )
+        out: list[ChunkKV] = []
+        i = 0
+        while i < len(chunks):
+            j, tokens = i, 0
+            while j < len(chunks) and tokens + chunks[j].n_tokens <= room:
+                tokens += chunks[j].n_tokens
+                j += 1
+            group = chunks[i:j]
+            self._make_room(tokens)
+            cache = self.cache()
+            kvs = self.adapter.prefill_many(group, cache, self.next_start)
+            self.counters.tokens_prefilled += tokens
+            for chunk, kv, meta in zip(group, kvs, metas[i:j], strict=True):
+                self.adopt(chunk, kv, cache, meta)
+            out += kvs
+            i = j
+        return out
+
+    @torch.inference_mode()
     def adopt(self, chunk: ChunkInput, kv: ChunkKV, cache: Any, meta: dict[str, Any] | None = None) -> None:
         """Record a chunk already prefilled into the live ``cache`` at :attr:`next_start`.
 
@@ -260,13 +294,7 @@ class ContextManager:
             dict(meta or {}),
         )
         slot.start = self._end
-        arena = self._arena
-        if (
-            cache is not None
-            and cache is self._cache
-            and arena is not None
-            and all(n == self._used + kv.n_tokens for n in arena.lengths)
-        ):  # its tokens are the live cache's last ones: they stay where the model wrote them
+        if self._is_next_in_arena(cache, kv):  # they stay where the model wrote them
             slot.segs, slot.placed_start = [(self._used, kv.n_tokens)], self._base + slot.start
             self._used += kv.n_tokens
             self._holders.append(slot)
@@ -454,6 +482,20 @@ class ContextManager:
         """Drop the live cache (e.g. after generating tokens that are not part of the window):
         the next :meth:`cache` shows the window alone again, without moving anything."""
         self._cache = None
+
+    def _is_next_in_arena(self, cache: Any, kv: ChunkKV) -> bool:
+        """Whether ``kv``'s tokens are the live cache's next ones after the window (the model
+        wrote them there): their values, copied out unchanged, are checked at both ends."""
+        arena, n, at = self._arena, kv.n_tokens, self._used
+        if cache is None or cache is not self._cache or arena is None:
+            return False
+        if min(arena.lengths) < at + n:
+            return False
+        return all(
+            torch.equal(arena.v[layer, :, at + t], kv.v[layer, :, t])
+            for layer in (0, arena.n_layers - 1)
+            for t in (0, n - 1)
+        )
 
     @property
     def offset(self) -> int:

@@ -172,12 +172,11 @@ class Agent:
         cm, c = self.context, self.context.counters
         before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
         evicted_before = set(cm.evicted)
-        ids: list[str] = []
         reused = cm.tokens
-        for obs in observations:
-            for chunk, meta in self.chunks(obs):
-                cm.append(chunk, meta)
-                ids.append(cm.view()[-1].chunk_id)
+        pieces = [piece for obs in observations for piece in self.chunks(obs)]
+        # every new chunk of the step in as few forward passes as the budget allows
+        cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
+        ids = [self.adapter.chunk_key(chunk, cm.config.tenant_salt) for chunk, _ in pieces]
         prompt = self._text(self.chat.instruction(instruction))
         cache = cm.cache()
         start = cm.next_start

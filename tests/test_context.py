@@ -321,3 +321,59 @@ def test_a_cache_from_before_a_window_change_refuses_to_write(adapter: ModelAdap
     cm.slide(1)
     with pytest.raises(StaleCacheError):
         adapter.next_logits(probe, fresh, start)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl", "deepseek-mla"])
+def test_append_many_equals_appending_one_by_one(name: str) -> None:
+    """Several chunks in one forward pass (split where the budget requires, sliding as needed):
+    the same window, the same KV, the same answer as appending them one at a time."""
+    adapter = tiny_adapter(name)
+    prefix = TextInput(torch.arange(2, 8))
+    if name == "qwen2.5-vl":
+        colours = ["red", "green", "blue", "red", "purple"]
+        chunks = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]  # type: ignore[attr-defined]
+    else:
+        chunks = pool()[:5]
+    budget = sum(c.n_tokens for c in chunks[1:]) + prefix.n_tokens  # the first one has to slide out
+    windows = []
+    for batched in (False, True):
+        store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+        cm = ContextManager(adapter, store, WindowConfig(budget_tokens=budget), prefix)
+        calls = getattr(adapter, "vision_encoder_calls", 0)
+        if hasattr(adapter, "clear_vision_cache"):
+            adapter.clear_vision_cache()
+        rotated = cm.counters.tokens_rotated
+        if batched:
+            cm.append_many(chunks, [{"i": i} for i in range(len(chunks))])
+        else:
+            for i, chunk in enumerate(chunks):
+                cm.append(chunk, {"i": i})
+        if name == "qwen2.5-vl":  # four distinct images, each encoded once
+            assert adapter.vision_encoder_calls - calls == 4  # type: ignore[attr-defined]
+        view = cm.view()
+        assert [v.meta["i"] for v in view[1:]] == [1, 2, 3, 4]
+        kvs = [cm.placed_kv(i) for i in range(len(view))]
+        probe = TextInput(torch.tensor([11, 12, 13]))
+        logits = adapter.next_logits(probe, cm.cache(), cm.next_start)
+        windows.append((kvs, logits, cm.counters.tokens_rotated - rotated, cm.offset))
+    (kv_a, logits_a, _, offset_a), (kv_b, logits_b, _, offset_b) = windows
+    for (ka, va), (kb, vb) in zip(kv_a, kv_b, strict=True):
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-5)
+    assert offset_a == offset_b
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+
+
+def test_adopting_kv_that_is_not_the_live_cache_s_next_tokens_rewrites_it(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))
+    a, b, c = pool()[:3]
+    cm.append(a)
+    cache, start = cm.cache(), cm.next_start
+    kv_b = adapter.prefill(b, cache, start).kv  # b then c prefilled; only c is adopted
+    kv_c = adapter.prefill(c, cache, start + kv_b.extent).kv
+    cm.adopt(c, kv_c, cache)
+    k, v = cm.placed_kv(2)
+    torch.testing.assert_close(v, kv_c.v)
+    torch.testing.assert_close(k, kv_c.place(cm.view()[2].start + cm.offset, adapter.spec)[0])
+    assert adapter.cache_length(cm.cache()) == cm.tokens

@@ -135,6 +135,16 @@ class ModelAdapter(ABC):
     def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
         """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
 
+    def prefill_many(self, chunks: Sequence[ChunkInput], cache: Any, start: int) -> list[ChunkKV]:
+        """Prefill ``chunks`` one after another from ``start`` (``cache`` grows by all of them);
+        each one's KV, pre-RoPE, relative to its own start. Adapters may do it in one pass."""
+        out = []
+        for chunk in chunks:
+            kv = self.prefill(chunk, cache, start).kv
+            start += kv.extent
+            out.append(kv)
+        return out
+
     @abstractmethod
     def next_logits(self, chunk: ChunkInput, cache: Any, start: int) -> torch.Tensor:
         """Like :meth:`prefill` (``cache`` grows by the chunk) but only the logits ``[vocab]``

@@ -222,11 +222,13 @@ class DecoderAdapter(ModelAdapter):
         return str(token_key(self.namespace(tenant_salt), chunk.ids))
 
     def _extract(
-        self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int
+        self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int, after: int = 0
     ) -> ChunkKV:
+        """The KV of the ``n_new`` tokens that precede the cache's last ``after`` tokens."""
         keys, values = [], []
         for layer in cache.layers[: self.info.n_layers]:
-            key, value = layer.keys[0, :, -n_new:], layer.values[0, :, -n_new:]
+            end = layer.keys.shape[2] - after
+            key, value = layer.keys[0, :, end - n_new : end], layer.values[0, :, end - n_new : end]
             k, v = self._to_slots(key, value)  # the swap is its own inverse
             keys.append(k)
             values.append(v)
@@ -273,6 +275,36 @@ class DecoderAdapter(ModelAdapter):
         logits = self._run(self._embed(chunk), positions, cache)
         kv = self._extract(cache, chunk.n_tokens, positions, rel, extent)
         return Prefill(logits, kv, cache)
+
+    def _prepare(self, chunks: Sequence[ChunkInput]) -> None:
+        """Work a batch of chunks needs before its forward pass (vision encoders: see qwen_vl)."""
+
+    @torch.inference_mode()
+    def prefill_many(self, chunks: Sequence[ChunkInput], cache: Any, start: int) -> list[ChunkKV]:
+        """All ``chunks`` in one forward pass (logits of the last token only); each chunk's KV
+        taken out of the grown cache and un-rotated with its own positions."""
+        if not chunks:
+            return []
+        if any(c.n_tokens == 0 for c in chunks):
+            raise ValueError("cannot prefill an empty chunk")
+        self._prepare(chunks)
+        embeds, positions, placed = [], [], []
+        at = start
+        for chunk in chunks:
+            rel, extent = self.chunk_positions(chunk)
+            embeds.append(self._embed(chunk))
+            positions.append(rel + at)
+            placed.append((rel, extent, at))
+            at += extent
+        self._run(
+            torch.cat(embeds, dim=1), torch.cat(positions, dim=-1).to(self.device), cache, last_only=True
+        )
+        out, after = [], sum(c.n_tokens for c in chunks)
+        for chunk, (rel, extent, at) in zip(chunks, placed, strict=True):
+            after -= chunk.n_tokens
+            kv = self._extract(cache, chunk.n_tokens, (rel + at).to(self.device), rel, extent, after)
+            out.append(kv)
+        return out
 
     @torch.inference_mode()
     def decode_step(self, token: int, cache: Any, position: int) -> torch.Tensor:

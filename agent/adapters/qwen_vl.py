@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -114,6 +115,31 @@ class QwenVLAdapter(DecoderAdapter):
     def clear_vision_cache(self) -> None:
         """Forget every cached image feature (the next prefill of each image runs the encoder)."""
         self._features.clear()
+
+    def encode_images(self, chunks: Sequence[ChunkInput]) -> int:
+        """Run the vision encoder once over every image among ``chunks`` whose features are not
+        cached (one batch: the encoder keeps images apart); returns how many it encoded."""
+        todo: dict[str, ImageInput] = {}
+        for c in chunks:
+            if isinstance(c, ImageInput) and c.content_key not in self._features:
+                todo.setdefault(c.content_key, c)
+        if len(todo) <= 1:
+            for c in todo.values():
+                self.image_features(c)
+            return len(todo)
+        pixels = torch.cat([c.pixel_values for c in todo.values()]).to(self.device)
+        grid = torch.tensor([c.grid_thw for c in todo.values()], device=self.device)
+        with torch.inference_mode():
+            feats = self.vlm.get_image_features(pixels, grid).pooler_output
+        for key, f in zip(todo, feats, strict=True):
+            self.vision_encoder_calls += 1
+            self._features[key] = f
+        while len(self._features) > max(self._features_max, len(todo)):
+            self._features.popitem(last=False)
+        return len(todo)
+
+    def _prepare(self, chunks: Sequence[ChunkInput]) -> None:
+        self.encode_images(chunks)
 
     def image_features(self, chunk: ImageInput) -> torch.Tensor:
         """Merged-patch embeddings ``[N, hidden]``; the encoder runs only on a cache miss."""
