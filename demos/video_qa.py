@@ -174,26 +174,42 @@ class VideoSession:
         self.frames: list[FrameRecord] = []
         self.inputs: dict[str, ImageInput] = {}
         self.reprefill: dict[str, Any] | None = None
+        self.pending: list[tuple[ImageInput, float]] = []
 
     @property
     def cm(self) -> ContextManager:
         return self.agent.context
 
     def add_frame(self, image: Any, t: float) -> None:
+        """Queue a decoded frame; every ``--ingest-batch`` frames go into the window together
+        (one vision encoder batch, one forward pass), and before a question."""
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
         if chunk.n_tokens + self.cm.view()[0].n_tokens > self.args.budget:
             raise UsageError(
                 f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
                 "frame after the system prompt"
             )
-        self._make_room(chunk.n_tokens)
-        self.cm.append(chunk, {"kind": "frame", "t": t})
-        cid = self.cm.view()[-1].chunk_id
-        self.inputs[cid] = chunk
-        embedding = None
-        if self.retrieval.name == "similarity":  # a hit in the adapter's feature cache: no encoder run
-            embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
-        self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+        self.pending.append((chunk, t))
+        if len(self.pending) >= self.args.ingest_batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the queued frames into the window."""
+        while self.pending:
+            room = self.args.budget - self.cm.view()[0].n_tokens
+            batch, tokens = [], 0
+            while self.pending and tokens + self.pending[0][0].n_tokens <= room:
+                tokens += self.pending[0][0].n_tokens
+                batch.append(self.pending.pop(0))
+            self._make_room(tokens)
+            self.cm.append_many([c for c, _ in batch], [{"kind": "frame", "t": t} for _, t in batch])
+            for chunk, t in batch:
+                cid = self.adapter.chunk_key(chunk)
+                self.inputs[cid] = chunk
+                embedding = None
+                if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run
+                    embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
+                self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
 
     def _make_room(self, n_tokens: int) -> None:
         """Slide out at least ``--evict-batch`` chunks once the window is full: survivors are
@@ -217,6 +233,7 @@ class VideoSession:
         return emb.float().mean(0).cpu()
 
     def answer(self, q: Asked, now: float) -> None:
+        self.flush()  # frames already decoded are part of what the question may look at
         t0 = time.perf_counter()
         latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
         candidates = sorted(latest.values(), key=lambda f: f.t)
@@ -301,10 +318,9 @@ def full_answer(
     Returns the time to first token in milliseconds and the answer text.
     """
     t0 = time.perf_counter()
-    cache, start = adapter.empty_cache(), 0
-    for chunk in chunks:
-        adapter.prefill(chunk, cache, start)
-        start += adapter.chunk_positions(chunk)[1]
+    cache = adapter.empty_cache()
+    adapter.prefill_many(chunks, cache, 0)  # one forward pass; the images in one encoder batch
+    start = sum(adapter.chunk_positions(chunk)[1] for chunk in chunks)
     gen = adapter.generate(prompt, cache, start, max_new_tokens)
     ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
     return ttft_ms, adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -340,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames-per-question", type=int, default=8, help="frames a question looks at (8)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--evict-batch", type=int, default=8, help="chunks slid out at once when full (8)")
+    p.add_argument(
+        "--ingest-batch",
+        type=int,
+        default=16,
+        help="frames encoded and prefilled together as the video plays (16; 1: one by one)",
+    )
     p.add_argument("--system", default=SYSTEM_PROMPT, help="system prompt")
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--fps", type=float, help="frames sampled per second (qwen-vl-utils default 2)")
@@ -367,8 +389,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from tools.video import NotAVideoError, SamplingConfig, iter_frames, plan_sampling, probe_video
 
-    if min(args.budget, args.frames_per_question, args.max_new_tokens, args.evict_batch) <= 0:
-        raise UsageError("--budget, --frames-per-question, --max-new-tokens and --evict-batch must be > 0")
+    if (
+        min(args.budget, args.frames_per_question, args.max_new_tokens, args.evict_batch, args.ingest_batch)
+        <= 0
+    ):
+        raise UsageError(
+            "--budget, --frames-per-question, --max-new-tokens, --evict-batch and --ingest-batch must be > 0"
+        )
     asked = schedule(args)
     try:
         sampling = SamplingConfig(
@@ -401,6 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             session.add_frame(frame.to_pil(), frame.timestamp)
             n_sampled, last_t = n_sampled + 1, frame.timestamp
             progress.advance(task)
+    session.flush()
     while pending:
         measured += _answer(session, pending.pop(0), last_t)
     total_s = time.perf_counter() - t0 - measured

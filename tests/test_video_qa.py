@@ -60,10 +60,12 @@ def test_byte_tokenizer_round_trip() -> None:
     assert tok.decode(ids) == "user\nhé"
 
 
-def test_video_qa_end_to_end(video: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ingest", ["1", "16"])  # frames one by one, or queued and put in together
+def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
     out = tmp_path / "report.json"
     code = main(
         [str(video), "--model", "tiny", "--fps", "2", "--budget", "400", "--frames-per-question", "4",
+         "--ingest-batch", ingest,
          "-q", "What is shown?", "--at", "00:03", "-q", "What changed?", "--compare",
          "--max-new-tokens", "4", "--json", str(out), "--quiet", "--threads", "1"]
     )  # fmt: skip
