@@ -603,6 +603,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-minutes", type=float, default=defaults.max_minutes)
     p.add_argument("--n-captions", type=int, default=defaults.n_captions)
     p.add_argument("--threads", type=int, default=defaults.threads)
+    size = defaults.model
+    p.add_argument("--hidden", type=int, default=size.hidden, help="text model width")
+    p.add_argument("--layers", type=int, default=size.layers, help="text model layers")
+    p.add_argument("--vision-hidden", type=int, default=size.vision_hidden)
+    p.add_argument("--vision-depth", type=int, default=size.vision_depth)
+    p.add_argument("--vision-heads", type=int, default=size.vision_heads)
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--log-dir", default=defaults.log_dir)
     a = p.parse_args(argv)
@@ -619,6 +625,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_minutes=a.max_minutes,
         out_dir=a.out_dir,
         log_dir=a.log_dir,
+        model=ModelSize(
+            hidden=a.hidden,
+            layers=a.layers,
+            intermediate=3 * a.hidden,
+            vision_hidden=a.vision_hidden,
+            vision_depth=a.vision_depth,
+            vision_heads=a.vision_heads,
+            vision_intermediate=2 * a.vision_hidden,
+        ),
     )
     result = train(cfg)
     print(json.dumps({k: result[k] for k in ("parameters", "train_seconds", "test")}, indent=2))
