@@ -179,9 +179,55 @@ def token_keys(
     Equal to ``token_key`` on each chunk. The framed prefix (domain, hash, kind, namespace) and
     the token bytes are built once, so a chunk costs one slice and one hash call.
     """
-    data = token_bytes(tokens)
-    head = _kind_prefix("tokens") + _frame(b"n", namespace.encoded) + b"t"
-    return [ContentKey(_digest(head + _LENGTH.pack(8 * (e - s)) + data[8 * s : 8 * e])) for s, e in spans]
+    data, head = token_bytes(tokens), _token_head(namespace)
+    return [_chunk_key(head, data[8 * s : 8 * e]) for s, e in spans]
+
+
+def _token_head(namespace: Namespace) -> bytes:
+    """What a token key's input holds before the token frame's length and bytes."""
+    return _kind_prefix("tokens") + _frame(b"n", namespace.encoded) + b"t"
+
+
+def _chunk_key(head: bytes, chunk: bytes) -> ContentKey:
+    return ContentKey(_digest(head + _LENGTH.pack(len(chunk)) + chunk))
+
+
+class KeyMemo:
+    """Token keys of chunks seen before under one namespace: chunk token bytes -> key.
+
+    A strong hash per chunk costs about a microsecond of Python; an agent's prompts repeat
+    almost all their chunks from one request to the next, and a dictionary probe (its bytes
+    hash runs in C) costs a fifth of that. Keys are a pure function of the namespace and the
+    bytes, so a remembered key is the key. Holds about ``max_entries`` chunks in two
+    generations: when the recent one fills, it becomes the older one and the older is dropped.
+    """
+
+    def __init__(self, namespace: Namespace, max_entries: int = 1 << 16) -> None:
+        if max_entries < 2:
+            raise ValueError(f"max_entries must be >= 2, got {max_entries}")
+        self.namespace = namespace
+        self.max_entries = max_entries
+        self._head = _token_head(namespace)
+        self._recent: dict[bytes, ContentKey] = {}
+        self._older: dict[bytes, ContentKey] = {}
+
+    def token_keys(
+        self, tokens: Sequence[int] | np.ndarray | torch.Tensor, spans: Iterable[tuple[int, int]]
+    ) -> list[ContentKey]:
+        """``token_keys(self.namespace, tokens, spans)``, remembering every chunk's key."""
+        data, recent, out = token_bytes(tokens), self._recent, []
+        for s, e in spans:
+            chunk = data[8 * s : 8 * e]
+            key = recent.get(chunk)
+            if key is None:
+                key = self._older.get(chunk)
+                if key is None:
+                    key = _chunk_key(self._head, chunk)
+                recent[chunk] = key
+            out.append(key)
+        if len(recent) > self.max_entries // 2:
+            self._older, self._recent = recent, {}
+        return out
 
 
 def tensor_bytes(x: torch.Tensor) -> bytes:

@@ -25,7 +25,7 @@ import torch
 
 from cache.cdc import CDCConfig, as_token_array, chunk_bounds, spans
 from cache.index import ContentIndex, RadixKey, RadixTree, Segment
-from cache.keys import ContentKey, Namespace, token_key, token_keys
+from cache.keys import ContentKey, KeyMemo, Namespace, token_key
 
 Status = Literal["prefix-hit", "relocated-hit", "miss"]
 STATUSES: tuple[Status, ...] = ("prefix-hit", "relocated-hit", "miss")
@@ -74,12 +74,14 @@ class CommitResult(NamedTuple):
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """Chunking strategy and sizes, and how the content index verifies hits."""
+    """Chunking strategy and sizes, how the content index verifies hits, and how many chunk
+    keys the planner remembers (``KeyMemo``)."""
 
     chunker: str = "gear"
     cdc: CDCConfig = field(default_factory=CDCConfig)
     verify: Literal["tokens", "fingerprint"] = "tokens"
     eviction: str = "lru"
+    key_memo_entries: int = 1 << 16
 
 
 class Planner:
@@ -101,6 +103,7 @@ class Planner:
         self.radix = radix if radix is not None else RadixTree(self.config.eviction)
         self.index = index if index is not None else ContentIndex(self.config.verify)
         self._root_key = namespace.encoded
+        self._keys = KeyMemo(namespace, self.config.key_memo_entries)
 
     def chunk_spans(self, tokens: np.ndarray, boundaries: Iterable[int] = ()) -> list[tuple[int, int]]:
         """[(start, end), ...] of the chunks of ``tokens`` [T]."""
@@ -113,7 +116,7 @@ class Planner:
         p = match.matched_len
         bounds = chunk_bounds(ids, self.config.cdc, boundaries, self.config.chunker)
         ranges = spans(bounds)
-        keys = token_keys(self.namespace, ids, ranges)
+        keys = self._keys.token_keys(ids, ranges)
         n_prefix = int(np.searchsorted(bounds[1:], p, side="right"))  # chunks that end by p
         chunks = [
             PlannedChunk(s, e, k, "prefix-hit", s, None)

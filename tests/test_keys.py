@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cache.keys import (
     HASH_NAME,
     ContentKey,
+    KeyMemo,
     Namespace,
     chain_key,
     chained_keys,
@@ -88,6 +89,22 @@ def test_token_keys_equal_token_key_of_each_chunk(tokens: list[int], cuts: list[
     want = [token_key(ns, tokens[s:e]) for s, e in spans]
     assert token_keys(ns, tokens, spans) == want
     assert token_keys(ns, np.array(tokens, dtype=np.int64), spans) == want
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=6),
+    max_entries=st.sampled_from([2, 3, 8, 1 << 16]),
+)
+def test_key_memo_gives_the_same_keys_across_calls(prompts: list[list[int]], max_entries: int) -> None:
+    """Few distinct token values: chunks repeat within and across calls; small bounds rotate."""
+    memo = KeyMemo(NS, max_entries)
+    for tokens in prompts:
+        spans = [*pairwise(range(0, len(tokens) + 1, 3)), (0, len(tokens))]
+        assert memo.token_keys(tokens, spans) == token_keys(NS, tokens, spans)
+        assert len(memo._recent) <= max_entries // 2
+    with pytest.raises(ValueError, match="max_entries"):
+        KeyMemo(NS, 1)
 
 
 def test_token_keys_follow_the_fallback_hash(monkeypatch: pytest.MonkeyPatch) -> None:
