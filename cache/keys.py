@@ -10,8 +10,8 @@ part of every key's input, so the two never mix.
 Chained keys give prefix semantics: the key of chunk i covers its own key and the chained key
 before it, so equal chained keys mean equal whole prefixes.
 
-What this module does not do: store anything or verify hits (``cache/index.py`` keeps the token
-ids beside each key and compares them).
+What this module does not do: store entries or verify hits (``cache/index.py`` keeps the token
+ids beside each key and compares them); ``KeyMemo`` only remembers keys it has computed.
 """
 
 from __future__ import annotations
