@@ -68,7 +68,7 @@ class FidelityConfig:
     ranks: tuple[int, ...] = (8, 16, 32)
     budgets: tuple[float, ...] = (6.0, 12.0)
     matched_budgets: bool = True
-    budget_weighting: str = "absolute"
+    budget_weighting: str = "relative"
     cacheblend: tuple[float, ...] = (15.0,)
     epic: tuple[int, ...] = (16,)
     canonical: tuple[str, ...] = CANONICAL_MODES
@@ -603,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--budget-weighting",
         choices=("absolute", "relative"),
-        default="absolute",
+        default="relative",
         help="how the budget strategy weighs a layer's singular values (see cache/rank.py)",
     )
     parser.add_argument("--cacheblend", default="15", help="recompute ratios, %% of chunk tokens")

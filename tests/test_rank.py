@@ -53,18 +53,25 @@ def test_energy_rank_is_the_smallest_reaching_the_fraction(values, fraction):
 @settings(max_examples=150, deadline=None)
 def test_budget_never_exceeds_and_matches_brute_force_when_costs_are_equal(values, costs, budget):
     blocks = [spectrum(v, costs[i]) for i, v in enumerate(values)]
-    ranks = BudgetRank(budget).select(blocks)
-    assert sum(r * b.bytes_per_rank for r, b in zip(ranks, blocks, strict=True)) <= budget
-    assert all(0 <= r <= len(b.energies) for r, b in zip(ranks, blocks, strict=True))
+    for weighting in ("absolute", "relative"):
+        ranks = BudgetRank(budget, weighting).select(blocks)
+        assert sum(r * b.bytes_per_rank for r, b in zip(ranks, blocks, strict=True)) <= budget
+        assert all(0 <= r <= len(b.energies) for r, b in zip(ranks, blocks, strict=True))
     equal = [spectrum(v, 3) for v in values]
-    got = BudgetRank(budget).select(equal)
-    best = max(
-        sum(float(b.energies[:r].sum()) for r, b in zip(rs, equal, strict=True))
-        for rs in itertools.product(*[range(len(b.energies) + 1) for b in equal])
-        if 3 * sum(rs) <= budget
-    )
-    kept = sum(float(b.energies[:r].sum()) for r, b in zip(got, equal, strict=True))
-    assert kept == pytest.approx(best, rel=1e-9, abs=1e-9)
+    for weighting in ("absolute", "relative"):
+
+        def worth(b: BlockSpectrum, r: int, weighting: str = weighting) -> float:
+            kept = float(b.energies[:r].sum())
+            return kept / b.total if weighting == "relative" and b.total > 0 else kept
+
+        got = BudgetRank(budget, weighting).select(equal)
+        best = max(
+            sum(worth(b, r) for r, b in zip(rs, equal, strict=True))
+            for rs in itertools.product(*[range(len(b.energies) + 1) for b in equal])
+            if 3 * sum(rs) <= budget
+        )
+        kept = sum(worth(b, r) for r, b in zip(got, equal, strict=True))
+        assert kept == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("arrangement", ["joint", "split"])
@@ -75,9 +82,8 @@ def test_budget_beats_fixed_at_equal_bytes_when_energy_grows_with_depth(arrangem
     scale = torch.linspace(0.2, 3.0, 8).view(8, 1, 1, 1)
     dk, dv = dk * scale, dv * scale
     fixed = fit_delta(dk, dv, PatchConfig(rank=FixedRank(4), arrangement=arrangement, storage=storage))
-    budget = fit_delta(
-        dk, dv, PatchConfig(rank=BudgetRank(fixed.patch.nbytes), arrangement=arrangement, storage=storage)
-    )
+    by_energy = BudgetRank(fixed.patch.nbytes, weighting="absolute")
+    budget = fit_delta(dk, dv, PatchConfig(rank=by_energy, arrangement=arrangement, storage=storage))
     assert budget.patch.nbytes <= fixed.patch.nbytes
     r_fixed = float(residual_energy(fixed.patch, dk, dv).sum())
     r_budget = float(residual_energy(budget.patch, dk, dv).sum())
@@ -89,9 +95,9 @@ def test_budget_beats_fixed_at_equal_bytes_when_energy_grows_with_depth(arrangem
 def test_relative_weighting_shares_the_budget_by_each_block_s_own_deficit() -> None:
     big = BlockSpectrum(torch.tensor([100.0, 90.0, 80.0, 70.0], dtype=torch.float64), 400.0, 10)
     small = BlockSpectrum(torch.tensor([1.0, 0.2, 0.1, 0.05], dtype=torch.float64), 1.4, 10)
-    assert BudgetRank(40).select([big, small]) == (4, 0)  # absolute: the big block takes all
+    assert BudgetRank(40, weighting="absolute").select([big, small]) == (4, 0)  # the big block takes all
     # relative: small's first triplet is 71 % of its deficit, worth more than big's 4th (17.5 %)
-    ranks = BudgetRank(40, weighting="relative").select([big, small])
+    ranks = BudgetRank(40).select([big, small])  # relative is the default
     assert ranks == (3, 1)
     with pytest.raises(ValueError, match="weighting"):
         BudgetRank(10, weighting="loud")
