@@ -295,7 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rope-kernel", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--models", default="smollm2,qwen2.5-vl")
     parser.add_argument("--data", default=None, help="multi-hop QA JSON for the text chunks")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
 
     def window_sizes(text: str, flag: str) -> list[int]:
         try:
@@ -308,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sizes, vl_sizes = window_sizes(args.sizes, "--sizes"), window_sizes(args.vl_sizes, "--vl-sizes")
     console = Console()
-    report: dict[str, Any] = {"runs": [], "steps": []}
+    report: dict[str, Any] = {"runs": [], "steps": [], "threads": torch.get_num_threads()}
     models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(models) - {"smollm2", "qwen2.5-vl"})
     if unknown:
