@@ -94,32 +94,39 @@ class TemplateTokenizer:
 
     The rendered text is cut before every ``marker`` (ChatML's ``<|im_start|>``) and each piece
     is tokenized on its own (cached), so messages start on token bounds. With the marker a
-    special token, the pieces' ids concatenate to the ids of the whole text. Message bodies
-    are :func:`bench.traces_data.message_body` (tool calls as JSON), since the template shows
-    only ``content``.
+    special token, the pieces' ids concatenate to the ids of the whole text. Inside a piece,
+    the body starts after the header line (marker and role) and ends at ``end_marker``; both
+    are reported as boundaries where a token starts there (the ids are never changed to make
+    one). Message bodies are :func:`bench.traces_data.message_body` (tool calls as JSON), since
+    the template shows only ``content``. Needs a fast tokenizer (character offsets).
     """
 
-    def __init__(self, tokenizer: Any, marker: str = "<|im_start|>") -> None:
+    def __init__(self, tokenizer: Any, marker: str = "<|im_start|>", end_marker: str = "<|im_end|>") -> None:
         self.tokenizer = tokenizer
+        self.end_marker = end_marker
         self._split = re.compile(f"(?={re.escape(marker)})")
-        self._cache: dict[str, np.ndarray] = {}
+        self._cache: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:
         msgs = [{"role": str(m.get("role", "user")), "content": message_body(m)} for m in messages]
         text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return text
 
+    def _piece(self, piece: str) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Ids of one message piece [P] and the token offsets where its body starts and ends."""
+        if piece not in self._cache:
+            enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+            body = {piece.find("\n") + 1, piece.rfind(self.end_marker)} - {0, -1}
+            cuts = tuple(i for i, (a, _) in enumerate(enc["offset_mapping"]) if i and a in body)
+            self._cache[piece] = (np.asarray(enc["input_ids"], dtype=np.int64), cuts)
+        return self._cache[piece]
+
     def __call__(self, messages: Sequence[dict[str, Any]]) -> Tokenized:
-        parts = []
-        for piece in self._split.split(self.render(messages)):
-            if not piece:
-                continue
-            if piece not in self._cache:
-                ids = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
-                self._cache[piece] = np.asarray(ids, dtype=np.int64)
-            parts.append(self._cache[piece])
-        starts = tuple(int(x) for x in np.cumsum([0, *[len(p) for p in parts[:-1]]])) if parts else ()
-        return Tokenized(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), starts)
+        parts = [self._piece(p) for p in self._split.split(self.render(messages)) if p]
+        starts = np.cumsum([0, *[len(ids) for ids, _ in parts[:-1]]]).tolist() if parts else []
+        bounds = [b for s, (_, cuts) in zip(starts, parts, strict=True) for b in (s, *(s + c for c in cuts))]
+        ids = np.concatenate([ids for ids, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+        return Tokenized(ids, tuple(starts), tuple(bounds))
 
 
 def load_tokenizer(kind: str) -> tuple[Tokenizer, Any]:
@@ -207,7 +214,7 @@ def chunking_rate(
         best = float("inf")
         for _ in range(repeats):
             t0 = time.process_time()
-            chunk_bounds(t.ids, cdc, t.message_starts)
+            chunk_bounds(t.ids, cdc, t.boundaries)
             best = min(best, time.process_time() - t0)
         total, seconds = total + len(t.ids), seconds + best
     return total / seconds if seconds else float("nan")
@@ -241,8 +248,15 @@ def truncate(tok: Tokenized, budget: int) -> Tokenized:
     first_end = tok.message_starts[1] if len(tok.message_starts) > 1 else n
     head = min(first_end, budget // 2)
     cut = n - (budget - head)
-    starts = sorted({0, head, *(s - cut + head for s in tok.message_starts if s > cut)})
-    return Tokenized(np.concatenate([ids[:head], ids[cut:]]), tuple(starts))
+
+    def kept(offsets: Sequence[int]) -> tuple[int, ...]:  # the head's, then the tail's, moved
+        return tuple(
+            sorted(
+                {0, head, *(b for b in offsets if b < head), *(b - cut + head for b in offsets if b > cut)}
+            )
+        )
+
+    return Tokenized(np.concatenate([ids[:head], ids[cut:]]), kept(tok.message_starts), kept(tok.boundaries))
 
 
 def plan_pieces(prompts: Sequence[Tokenized], config: PlannerConfig) -> tuple[list[Piece], set[int]]:
@@ -253,9 +267,9 @@ def plan_pieces(prompts: Sequence[Tokenized], config: PlannerConfig) -> tuple[li
     """
     planner = Planner(NAMESPACE, config)
     for i, t in enumerate(prompts[:-1]):
-        planner.commit(planner.plan(t.ids, t.message_starts), t.ids, i)
+        planner.commit(planner.plan(t.ids, t.boundaries), t.ids, i)
     last = prompts[-1]
-    plan = planner.plan(last.ids, last.message_starts)
+    plan = planner.plan(last.ids, last.boundaries)
     pieces: list[Piece] = []
     at = 0
     for seg in plan.prefix:

@@ -271,8 +271,17 @@ def get_policy(name: str) -> Policy:
 
 
 class Tokenized(NamedTuple):
+    """A rendered request and its structure, as the planner's forced chunk bounds.
+
+    ``boundaries`` holds every message start and, inside each message, the start and end of
+    its body, so the role header and the end-of-turn marker are chunks of their own: a body
+    the context manager replaces (a masked observation) or a message that arrives new leaves
+    the chunks around it intact, and no chunk mixes template tokens with a new body.
+    """
+
     ids: np.ndarray  # [T] int64
     message_starts: tuple[int, ...]  # token offset where each message starts
+    boundaries: tuple[int, ...]  # sorted forced chunk bounds: message starts, body starts and ends
 
 
 Tokenizer = Callable[[Sequence[Message]], Tokenized]
@@ -286,29 +295,38 @@ def message_body(m: Message) -> str:
     return body
 
 
+MESSAGE_END = "<|im_end|>\n"
+
+
+def message_header(m: Message) -> str:
+    """ChatML header of one message: the start marker and the role line."""
+    return f"<|im_start|>{m.get('role', 'user')}\n"
+
+
 def render_message(m: Message) -> str:
     """ChatML-style text of one message, tool calls included."""
-    return f"<|im_start|>{m.get('role', 'user')}\n{message_body(m)}<|im_end|>\n"
+    return message_header(m) + message_body(m) + MESSAGE_END
 
 
 class MessageTokenizer:
-    """Tokenizes each rendered message on its own (cached), so messages start on token bounds."""
+    """Tokenizes each message's header, body and end marker on its own (cached), so messages
+    and their bodies start and end on token bounds."""
 
     def __init__(self, encode: Callable[[str], Sequence[int]]) -> None:
         self.encode = encode
         self._cache: dict[str, np.ndarray] = {}
 
+    def _ids(self, text: str) -> np.ndarray:
+        if text not in self._cache:
+            self._cache[text] = np.asarray(self.encode(text), dtype=np.int64)
+        return self._cache[text]
+
     def __call__(self, messages: Sequence[Message]) -> Tokenized:
-        parts = []
-        for m in messages:
-            text = render_message(m)
-            if text not in self._cache:
-                self._cache[text] = np.asarray(self.encode(text), dtype=np.int64)
-            parts.append(self._cache[text])
-        lengths = [len(p) for p in parts]
-        starts = tuple(int(x) for x in np.cumsum([0, *lengths[:-1]])) if parts else ()
+        parts = [self._ids(t) for m in messages for t in (message_header(m), message_body(m), MESSAGE_END)]
+        bounds = np.cumsum([0, *(len(p) for p in parts)])
         ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return Tokenized(ids, starts)
+        starts = tuple(int(x) for x in bounds[:-1:3])
+        return Tokenized(ids, starts, tuple(sorted({int(x) for x in bounds[:-1]})))
 
 
 _WORD = re.compile(r"\w+|[^\w\s]|\s+")
@@ -386,7 +404,7 @@ def replay_session(
     for step, request in enumerate(session.requests):
         tok = tokenize(policy(request, step))
         t0 = time.process_time()  # CPU time: the machine may be shared
-        plan = planner.plan(tok.ids, tok.message_starts)
+        plan = planner.plan(tok.ids, tok.boundaries)
         ms = (time.process_time() - t0) * 1e3
         by = plan.tokens_by_status()
         new = {

@@ -25,11 +25,14 @@ from bench.traces import (
     truncate,
 )
 from bench.traces_data import (
+    MESSAGE_END,
     MessageTokenizer,
     RequestStat,
     Tokenized,
     data_root,
     get_policy,
+    message_body,
+    message_header,
     replay_session,
     session_from_trajectory,
     summarize,
@@ -66,14 +69,21 @@ def test_hit_rates_and_store_bytes_on_a_handcrafted_session() -> None:
     s = session_from_trajectory("x", conversation())
     stats = replay_session(s, get_policy("append"), tok, CFG)
     lengths = [len(tok(r).ids) for r in s.requests]
-    # append: each request reuses exactly the previous prompt; the store holds the last prompt once
-    assert [r.prefix for r in stats] == [r.content for r in stats] == [0, *lengths[:-1]]
+    # append: each request reuses the previous prompt, and the new messages' role headers and end
+    # markers by content (one token each here); the store holds each distinct chunk of the last
+    # prompt once: every body, and one copy of each header and end marker
+    assert [r.prefix for r in stats] == [0, *lengths[:-1]]
+    assert [r.content - r.prefix for r in stats] == [0, 2, 4, 4, 4, 4]
     rec = policy_fields(summarize("append", stats))
     assert rec["prompt_tokens"] == sum(lengths)
     assert rec["prefix_hit_rate"] == pytest.approx(sum(lengths[:-1]) / sum(lengths))
-    assert rec["store_tokens"] == lengths[-1]
-    assert rec["store_bytes_gqa"] == lengths[-1] * 30 * 3 * 64 * 2 * 2
-    assert rec["store_bytes_mla"] == lengths[-1] * 60 * 576 * 2
+    parts = {t for m in s.requests[-1] for t in (message_header(m), message_body(m), MESSAGE_END)}
+    distinct = sum(len(fake_encode(t)) for t in parts)
+    n = len(s.requests[-1])
+    assert distinct == lengths[-1] - (n - 4) - (n - 1)  # 4 role headers, 1 end marker
+    assert rec["store_tokens"] == distinct
+    assert rec["store_bytes_gqa"] == distinct * 30 * 3 * 64 * 2 * 2
+    assert rec["store_bytes_mla"] == distinct * 60 * 576 * 2
     assert rec["store_bytes_mla"] < rec["store_bytes_mla_expanded"]  # type: ignore[operator]
 
     win = summarize("window-2", replay_session(s, get_policy("window-2"), tok, CFG))
@@ -84,13 +94,16 @@ def test_hit_rates_and_store_bytes_on_a_handcrafted_session() -> None:
 
 
 def test_truncate_keeps_the_system_head_and_the_tail() -> None:
-    tok = Tokenized(np.arange(100), (0, 30, 50, 80))
+    # messages at 0, 30, 50, 80; bodies start 3 tokens in and end 2 tokens before the next
+    tok = Tokenized(np.arange(100), (0, 30, 50, 80), (0, 3, 28, 30, 33, 48, 50, 53, 78, 80, 83, 98))
     out = truncate(tok, 40)
     assert out.ids.tolist() == [*range(20), *range(80, 100)]
     assert out.message_starts == (0, 20)
+    assert out.boundaries == (0, 3, 20, 23, 38)
     out = truncate(tok, 70)
     assert out.ids.tolist() == [*range(30), *range(60, 100)]
     assert out.message_starts == (0, 30, 50)
+    assert out.boundaries == (0, 3, 28, 30, 48, 50, 53, 68)
     assert truncate(tok, 100) is tok
 
 
@@ -234,7 +247,14 @@ def test_template_tokenizer_pieces_match_the_whole_text() -> None:
     assert out.ids.tolist() == whole
     assert len(out.message_starts) == len(msgs) + 1  # the generation prompt is its own piece
     im_start = tok.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_end = tok.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert all(out.ids[s] == im_start for s in out.message_starts)
+    # every message: its start, the token after its header line, its end marker
+    inner = [b for b in out.boundaries if b not in out.message_starts]
+    assert list(out.boundaries) == sorted(set(out.boundaries))
+    assert [int(out.ids[b]) for b in inner[1::2]] == [im_end] * len(msgs)
+    assert all(tok.tokenizer.decode(out.ids[b - 1 : b]) == "\n" for b in inner[0::2])
+    assert len(inner) == 2 * len(msgs)  # the generation prompt has no body
 
 
 def test_real_traces_reference_share(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench.traces_data import (
+    MESSAGE_END,
     MessageTokenizer,
     NgramOracle,
     Session,
@@ -17,6 +18,8 @@ from bench.traces_data import (
     get_policy,
     load_jsonl,
     load_sessions,
+    message_body,
+    message_header,
     render_message,
     replay_session,
     session_from_trajectory,
@@ -47,13 +50,19 @@ def fake_encode(text: str) -> list[int]:
     return [zlib.crc32(w.encode()) % 40_000 for w in text.split()]
 
 
-def test_tokenizer_reports_message_starts() -> None:
+def test_tokenizer_reports_message_starts_and_body_bounds() -> None:
     tok = MessageTokenizer(fake_encode)
     msgs = conversation()[:3]
     out = tok(msgs)
-    lengths = [len(fake_encode(render_message(m))) for m in msgs]
-    assert out.message_starts == (0, lengths[0], lengths[0] + lengths[1])
-    assert len(out.ids) == sum(lengths)
+    # header, body and end marker of each message, each tokenized on its own
+    parts = [len(fake_encode(t)) for m in msgs for t in (message_header(m), message_body(m), MESSAGE_END)]
+    assert parts[:3] == [1, 150, 1]
+    bounds = np.cumsum([0, *parts]).tolist()
+    assert out.message_starts == tuple(bounds[0:-1:3])
+    assert out.boundaries == tuple(bounds[:-1])
+    assert len(out.ids) == bounds[-1]
+    empty = tok([{"role": "assistant", "content": ""}])
+    assert empty.boundaries == (0, 1)  # an empty body: no chunk of zero tokens
     assert render_message({"role": "assistant", "content": None, "tool_calls": [{"a": 1}]}) == (
         '<|im_start|>assistant\n\n<tool_call>[{"a": 1}]</tool_call><|im_end|>\n'
     )
@@ -111,14 +120,32 @@ def test_oracle_matches_brute_force() -> None:
 CFG = PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128))
 
 
-def test_replay_append_reuses_exactly_the_previous_prompt() -> None:
+def message_parts(m: dict[str, object]) -> tuple[str, str, str]:
+    return message_header(m), message_body(m), MESSAGE_END
+
+
+def seen_part_tokens(requests: list[list[dict[str, object]]]) -> list[int]:
+    """Per request, tokens of the message headers, bodies and end markers seen in an earlier one."""
+    seen: set[str] = set()
+    out = []
+    for msgs in requests:
+        parts = [t for m in msgs for t in message_parts(m)]
+        out.append(sum(len(fake_encode(t)) for t in parts if t in seen))
+        seen |= set(parts)
+    return out
+
+
+def test_replay_append_reuses_the_previous_prompt_and_known_headers() -> None:
     tok = MessageTokenizer(fake_encode)
     s = session_from_trajectory("x", conversation())
     stats = replay_session(s, get_policy("append"), tok, CFG)
     lengths = [len(tok(r).ids) for r in s.requests]
     assert [r.n_tokens for r in stats] == lengths
     assert [r.prefix for r in stats] == [0, *lengths[:-1]]
-    assert [r.content for r in stats] == [r.prefix for r in stats]  # new messages share no words
+    # new messages share no words, but their role headers and end markers are chunks of their
+    # own, found by content when an earlier request held the same one
+    assert [r.content for r in stats] == seen_part_tokens(list(s.requests))
+    assert [r.content - r.prefix for r in stats] == [0, 2, 4, 4, 4, 4]
     assert all(r.oracle >= r.prefix for r in stats)
 
 
@@ -127,12 +154,8 @@ def test_replay_window_recovers_every_previously_seen_message() -> None:
     s = session_from_trajectory("x", conversation())
     policy = get_policy("window-2")
     stats = replay_session(s, policy, tok, CFG)
-    seen: set[str] = set()
-    for step, (req, st) in enumerate(zip(s.requests, stats, strict=True)):
-        msgs = policy(req, step)
-        want = sum(len(fake_encode(render_message(m))) for m in msgs if render_message(m) in seen)
-        assert st.content == want, step
-        seen |= {render_message(m) for m in msgs}
+    want = seen_part_tokens([policy(req, step) for step, req in enumerate(s.requests)])
+    assert [st.content for st in stats] == want
     res = evaluate([s], ["append", "window-2"], tok, CFG)
     assert [r.policy for r in res] == ["append", "window-2"]
     win = res[1]
@@ -143,6 +166,23 @@ def test_replay_window_recovers_every_previously_seen_message() -> None:
         (win.content_hit_rate - win.prefix_hit_rate) / (win.oracle_hit_rate - win.prefix_hit_rate)
     )
     assert math.isnan(res[0].recovered_of_oracle) or res[0].recovered_of_oracle <= 1.0
+
+
+def test_masked_observation_keeps_its_header_and_end_marker_reusable() -> None:
+    tok = MessageTokenizer(fake_encode)
+    s = session_from_trajectory("x", conversation())
+    policy = get_policy("mask-observations-1")
+    stats = replay_session(s, policy, tok, CFG)
+    requests = [policy(req, step) for step, req in enumerate(s.requests)]
+    assert [st.content for st in stats] == seen_part_tokens(requests)
+    # reusing whole seen messages only (no cut inside a message) would miss the new stubs' and
+    # new messages' headers and end markers
+    seen: set[str] = set()
+    whole = 0
+    for msgs in requests:
+        whole += sum(len(fake_encode(render_message(m))) for m in msgs if render_message(m) in seen)
+        seen |= {render_message(m) for m in msgs}
+    assert sum(st.content for st in stats) > whole
 
 
 def test_jsonl_and_data_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
