@@ -44,6 +44,7 @@ from bench.traces_data import (
     Session,
     Tokenized,
     Tokenizer,
+    body_cuts,
     data_root,
     get_policy,
     load_jsonl,
@@ -95,10 +96,11 @@ class TemplateTokenizer:
     The rendered text is cut before every ``marker`` (ChatML's ``<|im_start|>``) and each piece
     is tokenized on its own (cached), so messages start on token bounds. With the marker a
     special token, the pieces' ids concatenate to the ids of the whole text. Inside a piece,
-    the body starts after the header line (marker and role) and ends at ``end_marker``; both
-    are reported as boundaries where a token starts there (the ids are never changed to make
-    one). Message bodies are :func:`bench.traces_data.message_body` (tool calls as JSON), since
-    the template shows only ``content``. Needs a fast tokenizer (character offsets).
+    the body starts after the header line (marker and role) and ends at ``end_marker``; these
+    and the body's tool-call structure (:func:`bench.traces_data.body_cuts`) are reported as
+    boundaries, before the token holding each (the ids are never changed to make one). Message
+    bodies are :func:`bench.traces_data.message_body` (tool calls as JSON), since the template
+    shows only ``content``. Needs a fast tokenizer (character offsets).
     """
 
     def __init__(self, tokenizer: Any, marker: str = "<|im_start|>", end_marker: str = "<|im_end|>") -> None:
@@ -116,8 +118,13 @@ class TemplateTokenizer:
         """Ids of one message piece [P] and the token offsets where its body starts and ends."""
         if piece not in self._cache:
             enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
-            body = {piece.find("\n") + 1, piece.rfind(self.end_marker)} - {0, -1}
-            cuts = tuple(i for i, (a, _) in enumerate(enc["offset_mapping"]) if i and a in body)
+            start = piece.find("\n") + 1
+            end = piece.rfind(self.end_marker) if self.end_marker in piece else len(piece)
+            chars = [start, end, *(start + c for c in body_cuts(piece[start:end]))]
+            # a point inside a token cuts before that token
+            token_starts = [a for a, _ in enc["offset_mapping"]]
+            inside = np.searchsorted(token_starts, [c for c in chars if c < len(piece)], side="right") - 1
+            cuts = tuple(sorted({int(i) for i in inside if i > 0}))
             self._cache[piece] = (np.asarray(enc["input_ids"], dtype=np.int64), cuts)
         return self._cache[piece]
 

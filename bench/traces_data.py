@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from hashlib import blake2b
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -274,33 +275,57 @@ class Tokenized(NamedTuple):
     """A rendered request and its structure, as the planner's forced chunk bounds.
 
     ``boundaries`` holds every message start and, inside each message, the start and end of
-    its body, so the role header and the end-of-turn marker are chunks of their own: a body
-    the context manager replaces (a masked observation) or a message that arrives new leaves
-    the chunks around it intact, and no chunk mixes template tokens with a new body.
+    its body and the structural points of its tool calls (:func:`body_cuts`), so the role
+    header, the end-of-turn marker and the JSON around a call's arguments are chunks of their
+    own: a body the context manager replaces (a masked observation) or a message that arrives
+    new leaves the chunks around it intact, and no chunk mixes template text with new text.
     """
 
     ids: np.ndarray  # [T] int64
     message_starts: tuple[int, ...]  # token offset where each message starts
-    boundaries: tuple[int, ...]  # sorted forced chunk bounds: message starts, body starts and ends
+    boundaries: tuple[int, ...]  # sorted forced chunk bounds: message starts and parts
 
 
 Tokenizer = Callable[[Sequence[Message]], Tokenized]
+
+
+TOOL_CALLS_OPEN = "\n<tool_call>"
+MESSAGE_END = "<|im_end|>\n"
+# The free-form fields of a tool call: their values change from call to call, the JSON around
+# them repeats. json.dumps escapes every quote inside a string, so this never matches inside one.
+_CALL_FIELD = re.compile(r'"(?:arguments|id)": "((?:[^"\\]|\\.)*)"')
 
 
 def message_body(m: Message) -> str:
     """The text a message shows the model: its content, then its tool calls as JSON."""
     body = "" if m.get("content") is None else str(m["content"])
     if m.get("tool_calls"):
-        body += "\n<tool_call>" + json.dumps(m["tool_calls"], sort_keys=True, default=str) + "</tool_call>"
+        body += TOOL_CALLS_OPEN + json.dumps(m["tool_calls"], sort_keys=True, default=str) + "</tool_call>"
     return body
 
 
-MESSAGE_END = "<|im_end|>\n"
+def body_cuts(body: str) -> list[int]:
+    """Character offsets in ``(0, len(body))`` where a body's structure changes, sorted: the start
+    of its tool-call section and the start and end of each call's ``arguments`` and ``id``."""
+    at = body.find(TOOL_CALLS_OPEN)
+    if at < 0:
+        return []
+    cuts = {at, *(x for f in _CALL_FIELD.finditer(body, at) for x in f.span(1))}
+    return sorted(c for c in cuts if 0 < c < len(body))
 
 
 def message_header(m: Message) -> str:
     """ChatML header of one message: the start marker and the role line."""
     return f"<|im_start|>{m.get('role', 'user')}\n"
+
+
+def message_parts(m: Message) -> list[str]:
+    """One message's ChatML text cut at its structure: header, body pieces (see
+    :func:`body_cuts`), end marker. Empty pieces are kept out."""
+    body = message_body(m)
+    cuts = [0, *body_cuts(body), len(body)]
+    pieces = [body[a:b] for a, b in pairwise(cuts)]
+    return [message_header(m), *(p for p in pieces if p), MESSAGE_END]
 
 
 def render_message(m: Message) -> str:
@@ -309,8 +334,8 @@ def render_message(m: Message) -> str:
 
 
 class MessageTokenizer:
-    """Tokenizes each message's header, body and end marker on its own (cached), so messages
-    and their bodies start and end on token bounds."""
+    """Tokenizes each part of each message (:func:`message_parts`) on its own (cached), so
+    messages and their structural parts start and end on token bounds."""
 
     def __init__(self, encode: Callable[[str], Sequence[int]]) -> None:
         self.encode = encode
@@ -322,11 +347,16 @@ class MessageTokenizer:
         return self._cache[text]
 
     def __call__(self, messages: Sequence[Message]) -> Tokenized:
-        parts = [self._ids(t) for m in messages for t in (message_header(m), message_body(m), MESSAGE_END)]
-        bounds = np.cumsum([0, *(len(p) for p in parts)])
-        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        starts = tuple(int(x) for x in bounds[:-1:3])
-        return Tokenized(ids, starts, tuple(sorted({int(x) for x in bounds[:-1]})))
+        ids: list[np.ndarray] = []
+        starts, bounds, at = [], set(), 0
+        for m in messages:
+            starts.append(at)
+            for part in message_parts(m):
+                bounds.add(at)
+                ids.append(self._ids(part))
+                at += len(ids[-1])
+        flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return Tokenized(flat, tuple(starts), tuple(sorted(bounds)))
 
 
 _WORD = re.compile(r"\w+|[^\w\s]|\s+")

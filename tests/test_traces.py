@@ -25,14 +25,12 @@ from bench.traces import (
     truncate,
 )
 from bench.traces_data import (
-    MESSAGE_END,
     MessageTokenizer,
     RequestStat,
     Tokenized,
     data_root,
     get_policy,
-    message_body,
-    message_header,
+    message_parts,
     replay_session,
     session_from_trajectory,
     summarize,
@@ -77,7 +75,7 @@ def test_hit_rates_and_store_bytes_on_a_handcrafted_session() -> None:
     rec = policy_fields(summarize("append", stats))
     assert rec["prompt_tokens"] == sum(lengths)
     assert rec["prefix_hit_rate"] == pytest.approx(sum(lengths[:-1]) / sum(lengths))
-    parts = {t for m in s.requests[-1] for t in (message_header(m), message_body(m), MESSAGE_END)}
+    parts = {t for m in s.requests[-1] for t in message_parts(m)}
     distinct = sum(len(fake_encode(t)) for t in parts)
     n = len(s.requests[-1])
     assert distinct == lengths[-1] - (n - 4) - (n - 1)  # 4 role headers, 1 end marker
@@ -241,7 +239,8 @@ def test_template_tokenizer_pieces_match_the_whole_text() -> None:
 
     tok = TemplateTokenizer(AutoTokenizer.from_pretrained(folder))
     msgs = conversation(2)[:-1]
-    msgs[2] = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "ls"}}]}
+    call = {"function": {"arguments": '{"path": "."}', "name": "ls"}, "id": "call_1"}
+    msgs[2] = {"role": "assistant", "content": None, "tool_calls": [call]}
     out = tok(msgs)
     whole = tok.tokenizer(tok.render(msgs), add_special_tokens=False)["input_ids"]
     assert out.ids.tolist() == whole
@@ -249,12 +248,20 @@ def test_template_tokenizer_pieces_match_the_whole_text() -> None:
     im_start = tok.tokenizer.convert_tokens_to_ids("<|im_start|>")
     im_end = tok.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert all(out.ids[s] == im_start for s in out.message_starts)
-    # every message: its start, the token after its header line, its end marker
-    inner = [b for b in out.boundaries if b not in out.message_starts]
+    # every message: its start, the token after its header line, its end marker; msgs[2] has
+    # no content, so its body starts with its tool calls, whose free fields are cut out
     assert list(out.boundaries) == sorted(set(out.boundaries))
-    assert [int(out.ids[b]) for b in inner[1::2]] == [im_end] * len(msgs)
-    assert all(tok.tokenizer.decode(out.ids[b - 1 : b]) == "\n" for b in inner[0::2])
-    assert len(inner) == 2 * len(msgs)  # the generation prompt has no body
+    inner = [b for b in out.boundaries if b not in out.message_starts]
+    ends = [b for b in inner if out.ids[b] == im_end]
+    assert len(ends) == len(msgs)
+    bounds = [*out.boundaries, len(out.ids)]
+    chunks = [tok.tokenizer.decode(out.ids[a:b]) for a, b in itertools.pairwise(bounds)]
+    start = chunks.index("<|im_start|>assistant\n")
+    assert chunks[start + 1].startswith("\n<tool_call>")
+    assert "path" not in chunks[start + 1]
+    assert any("path" in c and "name" not in c for c in chunks)
+    assert any("call_1" in c and "type" not in c and "name" not in c for c in chunks)
+    assert len(inner) > 2 * len(msgs)  # the generation prompt has no body
 
 
 def test_real_traces_reference_share(tmp_path: Path) -> None:

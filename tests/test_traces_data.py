@@ -13,6 +13,7 @@ from bench.traces_data import (
     MessageTokenizer,
     NgramOracle,
     Session,
+    body_cuts,
     data_root,
     evaluate,
     get_policy,
@@ -20,6 +21,7 @@ from bench.traces_data import (
     load_sessions,
     message_body,
     message_header,
+    message_parts,
     render_message,
     replay_session,
     session_from_trajectory,
@@ -63,11 +65,44 @@ def test_tokenizer_reports_message_starts_and_body_bounds() -> None:
     assert len(out.ids) == bounds[-1]
     empty = tok([{"role": "assistant", "content": ""}])
     assert empty.boundaries == (0, 1)  # an empty body: no chunk of zero tokens
+    call = {"role": "assistant", "content": "a b", "tool_calls": [{"id": "c1", "type": "function"}]}
+    out = tok([call])
+    lengths = [len(fake_encode(t)) for t in message_parts(call)]
+    assert out.boundaries == tuple(np.cumsum([0, *lengths[:-1]]).tolist())
+    assert out.message_starts == (0,)
     assert render_message({"role": "assistant", "content": None, "tool_calls": [{"a": 1}]}) == (
         '<|im_start|>assistant\n\n<tool_call>[{"a": 1}]</tool_call><|im_end|>\n'
     )
     assert word_encode("ab, cd") == word_encode("ab, cd")
     assert len(word_encode("ab, cd")) == 4  # "ab" "," " " "cd"
+
+
+def test_message_parts_cut_tool_calls_around_their_free_fields() -> None:
+    args = json.dumps({"command": 'grep -n "x" a.py'})
+    m = {
+        "role": "assistant",
+        "content": "Look.",
+        "tool_calls": [{"function": {"arguments": args, "name": "bash"}, "id": "call_7", "type": "function"}],
+    }
+    body = message_body(m)
+    parts = message_parts(m)
+    assert "".join(parts) == render_message(m)
+    assert parts[0] == "<|im_start|>assistant\n"
+    assert parts[-1] == MESSAGE_END
+    assert parts[1:-1] == [
+        "Look.",
+        '\n<tool_call>[{"function": {"arguments": "',
+        json.dumps(args)[1:-1],  # the arguments string as it sits inside the JSON
+        '", "name": "bash"}, "id": "',
+        "call_7",
+        '", "type": "function"}]</tool_call>',
+    ]
+    assert body_cuts(body) == sorted(body_cuts(body))
+    assert body_cuts("plain text") == []
+    # no content: the body starts with the tool calls, and no empty piece is made
+    assert message_parts({**m, "content": None})[1].startswith("\n<tool_call>")
+    # a quote inside the arguments never ends the field early
+    assert json.dumps(args)[1:-1] in parts
 
 
 def test_session_has_one_request_per_assistant_message() -> None:
@@ -118,10 +153,6 @@ def test_oracle_matches_brute_force() -> None:
 
 
 CFG = PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128))
-
-
-def message_parts(m: dict[str, object]) -> tuple[str, str, str]:
-    return message_header(m), message_body(m), MESSAGE_END
 
 
 def seen_part_tokens(requests: list[list[dict[str, object]]]) -> list[int]:
