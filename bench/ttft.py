@@ -101,10 +101,19 @@ def first_token(adapter: ModelAdapter, question: TextInput, cache: Any, start: i
     return int(logits.argmax()), time.perf_counter() - t
 
 
+PIECE_TOKENS = 1024
+
+
 def feed(adapter: ModelAdapter, chunks: list[ChunkInput], cache: Any, start: int) -> tuple[int, int]:
     """Prefill ``chunks`` in order onto ``cache`` as a serving engine would (text runs joined into
     one forward pass, last-token logits only, no KV taken out). Returns the next start and the
-    greedy token after the last chunk."""
+    greedy token after the last chunk.
+
+    On a cache that already holds tokens, a long text run goes in pieces of ``PIECE_TOKENS``
+    (chunked prefill): transformers builds a dense ``new x (past + new)`` mask there and takes a
+    slower attention path than the causal one it uses on an empty cache, so one pass of 8k new
+    tokens after a short reused prefix would cost about twice a re-prefill of everything.
+    """
     runs: list[ChunkInput] = []
     for c in chunks:
         if runs and isinstance(c, TextInput) and isinstance(runs[-1], TextInput):
@@ -113,8 +122,12 @@ def feed(adapter: ModelAdapter, chunks: list[ChunkInput], cache: Any, start: int
             runs.append(c)
     token = -1
     for c in runs:
-        token = int(adapter.next_logits(c, cache, start).argmax())
-        start += adapter.chunk_positions(c)[1]
+        pieces = [c]
+        if isinstance(c, TextInput) and adapter.cache_length(cache) > 0:
+            pieces = [adapter.text(p) for p in c.ids.split(PIECE_TOKENS)]
+        for piece in pieces:
+            token = int(adapter.next_logits(piece, cache, start).argmax())
+            start += adapter.chunk_positions(piece)[1]
     return start, token
 
 
