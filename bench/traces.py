@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import re
@@ -430,24 +431,40 @@ def sample_turns(
     min_relocated: int = 32,
     max_sources: int = 4,
 ) -> list[tuple[str, str, str, list[Tokenized]]]:
-    """``n`` turns ``(set, policy, session id, truncated prompts 0..t)`` cycling over sets and the
-    policies that move content; each turn relocates at least ``min_relocated`` tokens from at
-    most ``max_sources`` earlier requests. Deterministic: sessions in order, steps from 2 up."""
+    """``n`` distinct turns ``(set, policy, session id, truncated prompts 0..t)`` cycling over sets
+    and the policies that move content; each turn relocates at least ``min_relocated`` tokens
+    from at most ``max_sources`` earlier requests. A turn whose prompts equal one already taken
+    (early in a session several policies render the same requests) is skipped, so no turn
+    counts twice. Deterministic: sessions in order, steps from 2 up."""
     moving = [p for p in policies if p != "append"] or list(policies)
     combos = [(s, p) for p in moving for s in sets]
     out: list[tuple[str, str, str, list[Tokenized]]] = []
+    seen: set[bytes] = set()
     cursor = dict.fromkeys(combos, 0)
     while len(out) < n and combos:
         for combo in list(combos):
             if len(out) >= n:
                 break
-            found = _next_turn(
-                sets[combo[0]], combo[1], tokenize, config, budget, cursor, combo, min_relocated, max_sources
-            )
-            if found is None:
-                combos.remove(combo)
-            else:
-                out.append((combo[0], combo[1], *found))
+            while True:
+                found = _next_turn(
+                    sets[combo[0]],
+                    combo[1],
+                    tokenize,
+                    config,
+                    budget,
+                    cursor,
+                    combo,
+                    min_relocated,
+                    max_sources,
+                )
+                if found is None:
+                    combos.remove(combo)
+                    break
+                digest = hashlib.blake2b(b"".join(p.ids.tobytes() + b"|" for p in found[1])).digest()
+                if digest not in seen:
+                    seen.add(digest)
+                    out.append((combo[0], combo[1], *found))
+                    break
     return out
 
 

@@ -21,6 +21,7 @@ from bench.traces import (
     plan_pieces,
     policy_fields,
     run_method,
+    sample_turns,
     timing_fields,
     truncate,
 )
@@ -275,3 +276,15 @@ def test_real_traces_reference_share(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert 0.9 < r["reference"]["mini_swe_agent_cached_share"] <= 1.0
     assert r["policies"]["window-6"]["content_hit_rate"] > r["policies"]["window-6"]["prefix_hit_rate"]
+
+
+def test_sampled_consistency_turns_are_distinct() -> None:
+    """Early in a session several policies render the same requests: such a turn counts once."""
+    sessions = [session_from_trajectory(f"s{i}", conversation(6)) for i in range(3)]
+    tokenize = MessageTokenizer(fake_encode)
+    policies = ["window-2", "mask-observations-1", "rerank", "dynamic-system"]
+    cfg = PlannerConfig(cdc=CDCConfig(min_size=2, avg_size=8, max_size=32, window=4))
+    turns = sample_turns({"tiny": sessions}, policies, tokenize, cfg, 40, 2000, min_relocated=8)
+    digests = {b"".join(p.ids.tobytes() + b"|" for p in prompts) for *_, prompts in turns}
+    assert turns
+    assert len(digests) == len(turns)
