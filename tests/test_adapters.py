@@ -172,3 +172,19 @@ def test_a_cache_over_an_arena_runs_like_a_dynamic_cache(name: str) -> None:
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl"])
+def test_grouped_query_attention_without_copies_matches_sdpa(name: str) -> None:
+    """The adapter switches CPU models to ``kamera_sdpa``; new tokens over a cache (a mask, grouped
+    heads) give transformers' own ``sdpa`` results."""
+    adapter = tiny_adapter(name)
+    assert adapter.model.config._attn_implementation == "kamera_sdpa"
+    context, query = adapter.text(torch.arange(3, 40)), adapter.text(torch.arange(5, 12))
+    out = {}
+    for impl in ("sdpa", "kamera_sdpa"):
+        adapter.model.set_attn_implementation(impl)
+        cache = adapter.empty_cache()
+        adapter.prefill(context, cache, 0)
+        out[impl] = adapter.prefill(query, cache, 37).logits
+    torch.testing.assert_close(out["kamera_sdpa"], out["sdpa"], rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from agent.adapters import attention
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, ModelInfo, Prefill, TextInput
 from cache.arena import KVArena
 from cache.keys import Namespace, image_key, token_key
@@ -107,6 +108,8 @@ class DecoderAdapter(ModelAdapter):
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any, name: str) -> None:
         cfg = model.config.get_text_config()
+        if getattr(model.config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu":
+            model.set_attn_implementation(attention.NAME)  # grouped heads without copying the cache
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.base = model.get_decoder()
