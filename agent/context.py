@@ -175,12 +175,11 @@ class ContextManager:
         self.adapter, self.store, self.config = adapter, store, config
         self.counters = Counters()
         self._evicted: dict[str, _Evicted] = {}
-        cache = adapter.empty_cache()
-        out = adapter.prefill(prefix, cache, 0)
+        prefix_kv = adapter.encode(prefix)
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
-            _Slot(pid, prefix, out.kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, finalized=True)
+            _Slot(pid, prefix, prefix_kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, finalized=True)
         ]
         if self.tokens > config.budget_tokens:
             raise ValueError(
@@ -241,10 +240,10 @@ class ContextManager:
     @torch.inference_mode()
     def append_many(
         self, chunks: Sequence[ChunkInput], metas: Sequence[dict[str, Any] | None] | None = None
-    ) -> list[ChunkKV]:
+    ) -> list[str]:
         """Prefill several chunks at the end of the window, as many per forward pass as the
         budget allows (sliding first to make room); each one's KV is exact in context, as if
-        appended one by one. Returns their KV, in order."""
+        appended one by one. Returns their chunk ids, in order."""
         metas = list(metas) if metas is not None else [None] * len(chunks)
         if len(metas) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(metas)} metadata entries")
@@ -254,7 +253,7 @@ class ContextManager:
                 raise ValueError(
                     f"a {chunk.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
                 )
-        out: list[ChunkKV] = []
+        out: list[str] = []
         i = 0
         while i < len(chunks):
             j, tokens = i, 0
@@ -266,15 +265,17 @@ class ContextManager:
             cache = self.cache()
             kvs = self.adapter.prefill_many(group, cache, self.next_start)
             self.counters.tokens_prefilled += tokens
-            for chunk, kv, meta in zip(group, kvs, metas[i:j], strict=True):
+            out += [
                 self.adopt(chunk, kv, cache, meta)
-            out += kvs
+                for chunk, kv, meta in zip(group, kvs, metas[i:j], strict=True)
+            ]
             i = j
         return out
 
     @torch.inference_mode()
-    def adopt(self, chunk: ChunkInput, kv: ChunkKV, cache: Any, meta: dict[str, Any] | None = None) -> None:
-        """Record a chunk already prefilled into the live ``cache`` at :attr:`next_start`.
+    def adopt(self, chunk: ChunkInput, kv: ChunkKV, cache: Any, meta: dict[str, Any] | None = None) -> str:
+        """Record a chunk already prefilled into the live ``cache`` at :attr:`next_start`;
+        returns its chunk id.
 
         If it does not fit, the oldest chunks slide out first and the live cache is rebuilt
         on next use; a chunk larger than the whole budget is refused with ``ValueError``.
@@ -309,6 +310,7 @@ class ContextManager:
             self._slots.append(slot)
             cache = None
         self._cache = cache
+        return slot.chunk_id
 
     def slide(self, n_chunks: int = 1) -> list[str]:
         """Evict the ``n_chunks`` oldest chunks after the prefix; survivors rotate back."""
@@ -515,7 +517,7 @@ class ContextManager:
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def _shift_limit(self) -> int:
-        if not getattr(self.adapter, "shift_invariant", True):
+        if not self.adapter.shift_invariant:
             return 0
         return self.config.budget_tokens if self.config.max_offset is None else self.config.max_offset
 

@@ -175,8 +175,7 @@ class Agent:
         reused = cm.tokens
         pieces = [piece for obs in observations for piece in self.chunks(obs)]
         # every new chunk of the step in as few forward passes as the budget allows
-        cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
-        ids = [self.adapter.chunk_key(chunk, cm.config.tenant_salt) for chunk, _ in pieces]
+        ids = cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
         prompt = self._text(self.chat.instruction(instruction))
         cache = cm.cache()
         start = cm.next_start

@@ -52,10 +52,6 @@ class KVArena:
     def n_layers(self) -> int:
         return int(self.k.shape[0])
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
     def reserve(self, tokens: int) -> None:
         """Make room for at least ``tokens`` tokens per layer (doubling; the used part is copied)."""
         if tokens <= self.capacity:

@@ -202,9 +202,8 @@ class VideoSession:
                 tokens += self.pending[0][0].n_tokens
                 batch.append(self.pending.pop(0))
             self._make_room(tokens)
-            self.cm.append_many([c for c, _ in batch], [{"kind": "frame", "t": t} for _, t in batch])
-            for chunk, t in batch:
-                cid = self.adapter.chunk_key(chunk)
+            ids = self.cm.append_many([c for c, _ in batch], [{"kind": "frame", "t": t} for _, t in batch])
+            for cid, (chunk, t) in zip(ids, batch, strict=True):
                 self.inputs[cid] = chunk
                 embedding = None
                 if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run

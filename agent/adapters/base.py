@@ -99,6 +99,9 @@ class ModelAdapter(ABC):
     info: ModelInfo
     spec: RopeSpec
     tokenizer: Any
+    # attention depends only on relative positions (static RoPE frequencies), so a whole window
+    # may be shifted; False for RoPE whose frequencies follow the sequence's length
+    shift_invariant: bool = True
 
     @property
     def family(self) -> Family:
