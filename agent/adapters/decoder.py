@@ -73,9 +73,10 @@ class ArenaLayer(DynamicLayer):
         self.is_initialized = True
         self._show()
 
-    def _show(self) -> None:
+    def _show(self) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.arena.views(self.index)
-        self.keys, self.values = (v, k) if self.swap else (k, v)
+        self.keys, self.values = shown = (v, k) if self.swap else (k, v)
+        return shown
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -88,9 +89,7 @@ class ArenaLayer(DynamicLayer):
         if k.shape[0] != 1:
             raise ValueError(f"a window cache holds one sequence, got a batch of {k.shape[0]}")
         self.arena.append(self.index, k[0], v[0], self.generation)
-        k, v = self.arena.views(self.index)
-        self.keys, self.values = (v, k) if self.swap else (k, v)
-        return self.keys, self.values
+        return self._show()
 
     def get_seq_length(self) -> int:
         return self.arena.lengths[self.index]
