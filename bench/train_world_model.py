@@ -128,6 +128,8 @@ class TrainConfig:
     # step 5-10x slower than one (spinning at barriers); pass --threads 2 on an idle machine.
     threads: int = 1
     n_captions: int = 2
+    # weight of the frame-token objective (:func:`frame_token_targets`); 0 trains on answers only
+    aux_weight: float = 0.5
     max_minutes: float = 50.0
     out_dir: str = str(WORLD_VL_DIR)
     log_dir: str = "docs"
@@ -139,6 +141,8 @@ class TrainConfig:
             raise ValueError("steps, batch_size and threads must be >= 1")
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.aux_weight < 0:
+            raise ValueError(f"aux_weight must not be negative, got {self.aux_weight}")
 
 
 # --------------------------------------------------------------------------- tokenizer, processor, model
@@ -343,7 +347,50 @@ def train_batch(
         "pixel_values": pixel_values(frames, processor),
         "image_grid_thw": torch.tensor([[1, h, w]] * len(frames)),
         "labels": labels,
+        "frame_targets": frame_token_targets(episodes, tok),
     }
+
+
+def frame_token_targets(episodes: Sequence[Episode], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    """Soft word targets for every image token of ``episodes``, in the batch's image-token order.
+
+    Each merged vision token covers one slot of one frame; its target spreads equal mass over the
+    words that describe what it shows: the slot, the frame's number and, when an object sits
+    there, its colour, shape and digit. Read off the model's logits at the image positions (the
+    tied LM head), this dense objective makes the language model carry what each frame token shows
+    and which frame it belongs to in a form its answers can copy from; without it the answers
+    alone left the model on the answer prior (docs/world_model.md). Returns ``[n_tokens, vocab]``.
+    """
+    rows: list[list[str]] = []
+    for ep in episodes:
+        for f, state in enumerate(ep.states, start=1):
+            at = {o.slot: o for o in state}
+            for slot in SLOTS:
+                words = [slot, str(f)]
+                if slot in at:
+                    words += [at[slot].colour, at[slot].shape, at[slot].digit]
+                rows.append(words)
+    target = torch.zeros(len(rows), len(tokenizer))
+    for r, words in enumerate(rows):
+        for i in tokenizer.convert_tokens_to_ids(words):  # a digit may be the frame's number too
+            target[r, i] += 1.0 / len(words)
+    return target
+
+
+def training_loss(
+    model: Qwen2_5_VLForConditionalGeneration,
+    batch: dict[str, torch.Tensor],
+    image_token_id: int,
+    aux_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answer-token loss plus ``aux_weight`` times the frame-token loss; returns both parts."""
+    inputs = {k: v for k, v in batch.items() if k != "frame_targets"}
+    out = model(**inputs)
+    if not aux_weight or "frame_targets" not in batch:
+        return out.loss, torch.zeros(())
+    logp = out.logits[batch["input_ids"] == image_token_id].log_softmax(-1)
+    aux = -(batch["frame_targets"] * logp).sum(-1).mean()
+    return out.loss + aux_weight * aux, aux.detach()
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -506,6 +553,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     val = [make_episode(episode_seed("val", i), cfg.world) for i in range(cfg.n_val)]
     losses: list[float] = []
+    aux_losses: list[float] = []
     evals: list[dict[str, Any]] = []
     log_dir = Path(cfg.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -531,13 +579,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             batch = train_batch(eps, processor, rng, cfg.n_captions)
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
-            loss = model(**batch).loss
+            loss, aux = training_loss(model, batch, processor.image_token_id, cfg.aux_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             losses.append(loss.item())
-            info = f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f}"
+            aux_losses.append(aux.item())
+            info = f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f} frames {sum(aux_losses[-20:]) / len(aux_losses[-20:]):.3f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 acc = evaluate(model, processor, val)
                 evals.append(
@@ -603,6 +652,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-minutes", type=float, default=defaults.max_minutes)
     p.add_argument("--n-captions", type=int, default=defaults.n_captions)
     p.add_argument("--threads", type=int, default=defaults.threads)
+    p.add_argument(
+        "--aux-weight",
+        type=float,
+        default=defaults.aux_weight,
+        help="weight of the frame-token objective (0: answers only)",
+    )
     size = defaults.model
     p.add_argument("--hidden", type=int, default=size.hidden, help="text model width")
     p.add_argument("--layers", type=int, default=size.layers, help="text model layers")
@@ -622,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_val=a.n_val,
         threads=a.threads,
         n_captions=a.n_captions,
+        aux_weight=a.aux_weight,
         max_minutes=a.max_minutes,
         out_dir=a.out_dir,
         log_dir=a.log_dir,

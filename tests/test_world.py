@@ -207,6 +207,44 @@ def test_captions_follow_the_questions() -> None:
     assert min(captions) > last_question
 
 
+def test_frame_targets_describe_each_image_token() -> None:
+    from bench.train_world_model import build_processor, train_batch
+
+    processor = build_processor(WorldConfig())
+    tok = processor.tokenizer
+    eps = make_split("train", 2)
+    batch = train_batch(eps, processor, random.Random(0))
+    target = batch["frame_targets"]
+    n_image = int((batch["input_ids"] == processor.image_token_id).sum())
+    assert target.shape == (n_image, len(tok))
+    torch.testing.assert_close(target.sum(-1), torch.ones(n_image))
+    row = 0
+    for ep in eps:
+        for f, state in enumerate(ep.states, start=1):
+            at = {o.slot: o for o in state}
+            for slot in SLOTS:
+                words = set(tok.convert_ids_to_tokens(target[row].nonzero().flatten().tolist()))
+                obj = at.get(slot)
+                expected = {slot, str(f)} | ({obj.colour, obj.shape, obj.digit} if obj else set())
+                assert words == expected
+                row += 1
+
+
+def test_training_loss_adds_the_frame_objective() -> None:
+    from bench.train_world_model import ModelSize, build_config, build_processor, train_batch, training_loss
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    processor = build_processor(WorldConfig())
+    model = Qwen2_5_VLForConditionalGeneration(build_config(ModelSize(), processor.tokenizer))
+    batch = train_batch(make_split("train", 1), processor, random.Random(0))
+    with torch.no_grad():
+        plain, zero = training_loss(model, batch, processor.image_token_id, 0.0)
+        both, aux = training_loss(model, batch, processor.image_token_id, 0.5)
+    assert float(zero) == 0.0 and float(aux) > 0
+    torch.testing.assert_close(both, plain + 0.5 * aux)
+
+
 needs_checkpoint = pytest.mark.skipif(
     not (WORLD_VL_DIR / "model.safetensors").is_file(), reason="world_vl checkpoint not present"
 )
