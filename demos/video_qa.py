@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -35,6 +35,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
+from agent.adapters.qwen_vl import QwenVLAdapter
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
 from agent.models import WORLD_VL_DIR
@@ -175,6 +176,8 @@ class VideoSession:
         self.inputs: dict[str, ImageInput] = {}
         self.reprefill: dict[str, Any] | None = None
         self.pending: list[tuple[ImageInput, float]] = []
+        self.prefix_tokens = self.cm.view()[0].n_tokens  # the pinned system prompt
+        self.preprocess_s = 0.0  # the image processor's time on every frame
 
     @property
     def cm(self) -> ContextManager:
@@ -183,8 +186,10 @@ class VideoSession:
     def add_frame(self, image: Any, t: float) -> None:
         """Queue a decoded frame; every ``--ingest-batch`` frames go into the window together
         (one vision encoder batch, one forward pass), and before a question."""
+        t = time.perf_counter()
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
-        if chunk.n_tokens + self.cm.view()[0].n_tokens > self.args.budget:
+        self.preprocess_s += time.perf_counter() - t
+        if chunk.n_tokens + self.prefix_tokens > self.args.budget:
             raise UsageError(
                 f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
                 "frame after the system prompt"
@@ -196,7 +201,7 @@ class VideoSession:
     def flush(self) -> None:
         """Put the queued frames into the window."""
         while self.pending:
-            room = self.args.budget - self.cm.view()[0].n_tokens
+            room = self.args.budget - self.prefix_tokens
             batch, tokens = [], 0
             while self.pending and tokens + self.pending[0][0].n_tokens <= room:
                 tokens += self.pending[0][0].n_tokens
@@ -236,7 +241,7 @@ class VideoSession:
         t0 = time.perf_counter()
         latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
         candidates = sorted(latest.values(), key=lambda f: f.t)
-        room = self.args.budget - self.cm.view()[0].n_tokens
+        room = self.args.budget - self.prefix_tokens
         k, used = 0, 0
         for f in sorted(candidates, key=lambda f: f.n_tokens):  # how many frames fit at most
             if k >= self.args.frames_per_question or used + f.n_tokens > room:
@@ -366,7 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--fps", type=float, help="frames sampled per second (qwen-vl-utils default 2)")
     sampling.add_argument("--nframes", type=int, help="frames sampled over the whole video")
     p.add_argument("--max-frames", type=int, help="cap on frames sampled with --fps")
-    p.add_argument("--max-pixels", type=int, help="cap on pixels per sampled frame")
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        help="cap on pixels per sampled frame (default: the model's image processor bounds)",
+    )
     p.add_argument("--compare", action="store_true", help="also answer every question by re-encoding")
     p.add_argument("--json", type=Path, help="write a machine-readable report here")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -405,28 +414,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info = probe_video(args.video)
     if info.format_name in TEXT_FORMATS:
         raise NotAVideoError(f"{args.video}: a text file (FFmpeg's {info.format_name} demuxer), not a video")
-    plan = plan_sampling(info, sampling)
+    plan_sampling(info, sampling)  # a video too short for the sampling fails before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
     adapter = load_vl_adapter(args.model)
     load_s = time.perf_counter() - t_load
+    if args.max_pixels is None and isinstance(adapter, QwenVLAdapter):
+        # frames sized within the model's own bounds: its processor would resize anything else again
+        lo, hi = adapter.pixel_bounds()
+        sampling = replace(sampling, min_pixels=lo, max_pixels=hi)
+    plan = plan_sampling(info, sampling)
 
     t0 = time.perf_counter()
     session = VideoSession(adapter, args)
     pending = sorted(asked, key=lambda q: math.inf if q.at is None else q.at)
     measured = 0.0  # time spent on the re-prefill baseline, kept out of total_s
     n_sampled, last_t = 0, 0.0
+    decode_s = 0.0  # decoding, sampling and preprocessing the frames: the baseline reads them too
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("decoding and encoding frames", total=len(plan.indices))
-        for frame in iter_frames(args.video, sampling):
+        frames = iter_frames(args.video, sampling)
+        while True:
+            t_decode = time.perf_counter()
+            frame = next(frames, None)
+            if frame is None:
+                break
+            image = frame.to_pil()
+            decode_s += time.perf_counter() - t_decode
             while pending and pending[0].at is not None and pending[0].at < frame.timestamp:
                 measured += _answer(session, pending.pop(0), last_t)
-            session.add_frame(frame.to_pil(), frame.timestamp)
+            session.add_frame(image, frame.timestamp)
             n_sampled, last_t = n_sampled + 1, frame.timestamp
             progress.advance(task)
+        decode_s += session.preprocess_s
     session.flush()
     while pending:
         measured += _answer(session, pending.pop(0), last_t)
@@ -440,6 +463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "budget_tokens": args.budget,
         "duration_s": info.duration_s,
         "sample_fps": plan.sample_fps,
+        "frame_size": [plan.height, plan.width],
         "frames_sampled": n_sampled,
         "distinct_frames": len(session.inputs),
         "vision_encoder_calls": snap["vision_encoder_calls"],
@@ -461,6 +485,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reprefill_same_answer": (session.reprefill or {}).get("same_answer"),
         "total_s": total_s,
         "answer_total_s": sum(q.answer_ms for q in asked) / 1000,
+        "decode_s": decode_s,
+        "ingest_s": total_s - decode_s - sum(q.answer_ms for q in asked) / 1000,
         "load_s": load_s,
         "window": snap["window"],
         "store": snap["store"],
@@ -469,7 +495,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.update(session.reencode(asked))
         report["speedup_total"] = report["reencode_total_s"] / total_s
         report["speedup_answers"] = report["reencode_total_s"] / max(report["answer_total_s"], 1e-9)
+        report.update(question_rate(report, len(asked)))
     return report
+
+
+def question_rate(report: dict[str, Any], n_questions: int) -> dict[str, Any]:
+    """How the session compares with re-encoding as questions get more frequent.
+
+    Both ways decode the same stream (``decode_s``). The session then pays ``ingest_s`` once
+    (every distinct frame encoded and prefilled) and ``a`` per question; re-encoding pays ``r``
+    per question (its window's frames encoded and prefilled again). From the measured ``a`` and
+    ``r`` at this window size: ``break_even_questions``, the question count at which the session
+    is the faster of the two, and ``questions_for_5x``, the count at which it is 5x faster, both
+    with decoding counted on each side (None when per-question costs never get there).
+    """
+    d, ingest = report["decode_s"], max(report["ingest_s"], 0.0)
+    a = report["answer_total_s"] / max(n_questions, 1)
+    r = report["reencode_total_s"] / max(n_questions, 1)
+    out: dict[str, Any] = {
+        "reencode_with_decode_s": d + report["reencode_total_s"],
+        "speedup_total_with_decode": (d + report["reencode_total_s"]) / max(report["total_s"], 1e-9),
+        "answer_s_per_question": a,
+        "reencode_s_per_question": r,
+    }
+    out["break_even_questions"] = math.ceil(ingest / (r - a)) if r > a else None
+    out["questions_for_5x"] = math.ceil((4 * d + 5 * ingest) / (r - 5 * a)) if r > 5 * a else None
+    return out
 
 
 def _answer(session: VideoSession, q: Asked, now: float) -> float:

@@ -60,6 +60,13 @@ def test_byte_tokenizer_round_trip() -> None:
     assert tok.decode(ids) == "user\nhé"
 
 
+def test_pixel_bounds_of_the_model() -> None:
+    from demos.video_qa import load_vl_adapter
+
+    adapter = load_vl_adapter("tiny")
+    assert adapter.pixel_bounds() == (56 * 56, 224 * 224)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("ingest", ["1", "16"])  # frames one by one, or queued and put in together
 def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
     out = tmp_path / "report.json"
@@ -76,6 +83,9 @@ def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
         assert key in report, key
     assert report["frames_sampled"] == 20
     assert report["distinct_frames"] == 20
+    # 160x120 frames kept within the tiny model's pixel bounds, not raised to a video's 100k minimum
+    h, w = report["frame_size"]
+    assert 56 * 56 <= h * w <= 224 * 224 and h % 28 == 0 and w % 28 == 0
     assert report["vision_encoder_calls"] == report["distinct_frames"]
     assert report["window"]["chunks_evicted"] > 0  # the window slid
     assert report["tokens_reused"] > 0

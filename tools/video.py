@@ -232,12 +232,15 @@ def plan_sampling(info: VideoInfo, sampling: SamplingConfig = SamplingConfig()) 
     factor = sampling.image_factor
     min_pixels = sampling.min_pixels or VIDEO_MIN_TOKEN_NUM * factor * factor
     total_pixels = sampling.total_pixels or MODEL_SEQ_LEN * factor * factor * 0.9
-    cap = max(min(VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * FRAME_FACTOR),
-              int(min_pixels * 1.05))
+    cap = max(
+        min(VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * FRAME_FACTOR),
+        int(min_pixels * 1.05),
+    )
     max_pixels = min(sampling.max_pixels, cap) if sampling.max_pixels is not None else cap
     try:
-        height, width = smart_resize(info.height, info.width, factor=factor,
-                                     min_pixels=min_pixels, max_pixels=int(max_pixels))
+        height, width = smart_resize(
+            info.height, info.width, factor=factor, min_pixels=min_pixels, max_pixels=int(max_pixels)
+        )
     except (ValueError, AssertionError) as exc:
         raise VideoError(f"{info.path}: cannot resize {info.width}x{info.height}: {exc}") from exc
     return SamplePlan(indices=indices, height=height, width=width, sample_fps=sample_fps)
@@ -278,8 +281,7 @@ def iter_frames(
         decoded = last[0] + 1 if last is not None else 0
         missing = info.total_frames - decoded
         if last is None or missing > limits.truncation_tolerance * info.total_frames + 1:
-            raise VideoTruncatedError(
-                f"{path}: stream ended after {decoded} of {info.total_frames} frames")
+            raise VideoTruncatedError(f"{path}: stream ended after {decoded} of {info.total_frames} frames")
         image = _resize(last[2], plan)
         for p in range(pos, len(targets)):
             yield VideoFrame(p, last[0], last[1], image)
@@ -364,8 +366,9 @@ def _video_stream(stream: object) -> av.VideoStream:
     return stream
 
 
-def _read_info(path: Path, file_bytes: int, container: av.container.InputContainer,
-               limits: VideoLimits) -> VideoInfo:
+def _read_info(
+    path: Path, file_bytes: int, container: av.container.InputContainer, limits: VideoLimits
+) -> VideoInfo:
     fmt = container.format.name
     if fmt in _IMAGE_FORMATS or fmt.endswith("_pipe"):
         raise NotAVideoError(f"{path}: {fmt} is a still image, not a video")
@@ -384,18 +387,22 @@ def _read_info(path: Path, file_bytes: int, container: av.container.InputContain
     if not (width and height and rate and duration > 0):
         raise VideoMetadataError(
             f"{path}: metadata lacks size, frame rate or duration "
-            f"(size={width}x{height}, rate={rate}, duration={duration})")
+            f"(size={width}x{height}, rate={rate}, duration={duration})"
+        )
     fps = float(rate)
     total = stream.frames if stream.frames > 0 else round(duration * fps)
     start = float(stream.start_time * stream.time_base) if stream.start_time and stream.time_base else 0.0
-    checks = (("duration_s", duration, limits.max_duration_s),
-              ("total_frames", total, limits.max_total_frames),
-              ("frame_pixels", width * height, limits.max_frame_pixels))
+    checks = (
+        ("duration_s", duration, limits.max_duration_s),
+        ("total_frames", total, limits.max_total_frames),
+        ("frame_pixels", width * height, limits.max_frame_pixels),
+    )
     for name, value, bound in checks:
         if value > bound:
             raise VideoLimitError(f"{path}: {name}={value} exceeds the limit {bound}")
-    return VideoInfo(path, file_bytes, fmt, stream.codec_context.name, width, height, fps,
-                     total, duration, start)
+    return VideoInfo(
+        path, file_bytes, fmt, stream.codec_context.name, width, height, fps, total, duration, start
+    )
 
 
 def _timestamp(frame: av.VideoFrame, src: int, info: VideoInfo) -> float:
@@ -405,8 +412,10 @@ def _timestamp(frame: av.VideoFrame, src: int, info: VideoInfo) -> float:
 
 def _resize(frame: av.VideoFrame, plan: SamplePlan) -> torch.Tensor:
     # image: [3, H, W] uint8; the same bicubic antialiased resize fetch_video applies.
-    image = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+    # reformat then to_ndarray: the same pixels as to_ndarray(format="rgb24"), several times faster
+    image = torch.from_numpy(frame.reformat(format="rgb24").to_ndarray()).permute(2, 0, 1)
     if image.shape[1:] == (plan.height, plan.width):
         return image.contiguous()
-    return TF.resize(image, [plan.height, plan.width], interpolation=InterpolationMode.BICUBIC,
-                     antialias=True)
+    return TF.resize(
+        image, [plan.height, plan.width], interpolation=InterpolationMode.BICUBIC, antialias=True
+    )

@@ -96,6 +96,26 @@ class QwenVLAdapter(DecoderAdapter):
         h.update(pixels.contiguous().numpy().tobytes())
         return ImageInput(pixels, (grid[0], grid[1], grid[2]), ids, h.hexdigest(), {"size": image.size})
 
+    def pixel_bounds(self) -> tuple[int, int]:
+        """The fewest and most pixels the image processor keeps an image at (it resizes into this
+        range), read from its ``size`` (``shortest_edge`` / ``longest_edge``, pixel counts) or its
+        ``min_pixels`` / ``max_pixels``."""
+        ip = self.image_processor
+        size = getattr(ip, "size", None)
+
+        def read(*names: str) -> Any:
+            for name in names:
+                for source in (size, ip):
+                    value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+                    if value is not None:
+                        return value
+            return None
+
+        lo, hi = read("shortest_edge", "min_pixels"), read("longest_edge", "max_pixels")
+        if lo is None or hi is None:
+            raise ValueError(f"{type(ip).__name__} states no pixel bounds")
+        return int(lo), int(hi)
+
     def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
         if isinstance(chunk, TextInput):
             return torch.arange(chunk.n_tokens, dtype=torch.int64).expand(3, -1).contiguous(), chunk.n_tokens
