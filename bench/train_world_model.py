@@ -586,7 +586,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             opt.step()
             losses.append(loss.item())
             aux_losses.append(aux.item())
-            info = f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f} frames {sum(aux_losses[-20:]) / len(aux_losses[-20:]):.3f}"
+            recent, recent_aux = losses[-20:], aux_losses[-20:]
+            info = f"loss {sum(recent) / len(recent):.3f} frames {sum(recent_aux) / len(recent_aux):.3f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 acc = evaluate(model, processor, val)
                 evals.append(

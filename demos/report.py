@@ -67,7 +67,7 @@ def render_run(title: str, summary: Mapping[str, Any], steps: Sequence[Mapping[s
     """The HTML of a run: ``summary`` as a table, ``steps`` as sections (see module doc)."""
     body = "".join(_step(s) for s in steps)
     return (
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>"
         f"<h1>{_e(title)}</h1>{_table(summary)}{body}</body></html>\n"
     )

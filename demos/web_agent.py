@@ -44,8 +44,8 @@ from demos.video_qa import TINY, UsageError, load_vl_adapter
 
 SYSTEM_PROMPT = (
     "You operate a web browser to complete a task. Each turn shows a screenshot of the page. "
-    "Reply with exactly one action, one of: click(x, y), type(\"text\"), press(\"Enter\"), "
-    "scroll(dx, dy), goto(\"https://...\"), back(), done(\"answer\"). Coordinates are integers "
+    'Reply with exactly one action, one of: click(x, y), type("text"), press("Enter"), '
+    'scroll(dx, dy), goto("https://..."), back(), done("answer"). Coordinates are integers '
     "in screenshot pixels."
 )
 SCREENSHOT = "screenshot"

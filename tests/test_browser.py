@@ -29,23 +29,33 @@ PAGES = {
         + _abs(100, '<a href="/form.html">Go to the form</a>')
         + _abs(160, '<a href="http://example.com/">Leave the site</a>')
         + _abs(220, '<button onclick="document.title=\'clicked\'" style="font-size:28px">Press me</button>')
-        + _abs(280, "<button onclick=\"location.href='http://example.org/x'\" style='font-size:28px'>"
-                    "Script exit</button>")
+        + _abs(
+            280,
+            "<button onclick=\"location.href='http://example.org/x'\" style='font-size:28px'>"
+            "Script exit</button>",
+        )
         + _abs(340, '<a href="/long.html">Long page</a>')
         + '<img src="http://example.net/tracker.png">'
-        + "</body></html>"),
+        + "</body></html>"
+    ),
     "form.html": (
         '<html><head><title>Form</title></head><body style="background:#e0f0ff">'
         + _abs(20, "<h1 style='margin:0'>Search</h1>")
-        + _abs(100, '<form action="/result.html" method="get"><input name="q" '
-                    'style="width:300px;height:40px;font-size:24px"></form>')
-        + "</body></html>"),
+        + _abs(
+            100,
+            '<form action="/result.html" method="get"><input name="q" '
+            'style="width:300px;height:40px;font-size:24px"></form>',
+        )
+        + "</body></html>"
+    ),
     "result.html": "<html><head><title>Result</title></head><body><h1>Results</h1></body></html>",
     "long.html": (
         "<html><head><title>Long</title></head><body>"
-        + "".join(f'<p style="font-size:28px;color:hsl({i * 7 % 360},70%,40%)">Line {i}</p>'
-                  for i in range(200))
-        + "</body></html>"),
+        + "".join(
+            f'<p style="font-size:28px;color:hsl({i * 7 % 360},70%,40%)">Line {i}</p>' for i in range(200)
+        )
+        + "</body></html>"
+    ),
 }
 
 
@@ -66,8 +76,14 @@ def chromium() -> str:
 
 
 def _config(chromium: str) -> BrowserConfig:
-    return BrowserConfig(executable_path=chromium, viewport_width=VIEW_W, viewport_height=VIEW_H,
-                         action_timeout_s=10, navigation_timeout_s=15, settle_s=1.0)
+    return BrowserConfig(
+        executable_path=chromium,
+        viewport_width=VIEW_W,
+        viewport_height=VIEW_H,
+        action_timeout_s=10,
+        navigation_timeout_s=15,
+        settle_s=1.0,
+    )
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -168,16 +184,19 @@ def test_unreachable_start_and_action_timeouts(chromium: str) -> None:
 def test_missing_executable() -> None:
     from tools.browser import BrowserError
 
-    with pytest.raises(BrowserError, match="not found"), \
-            Browser("http://127.0.0.1:9/", BrowserConfig(executable_path="/nonexistent/chromium")):
+    with (
+        pytest.raises(BrowserError, match="not found"),
+        Browser("http://127.0.0.1:9/", BrowserConfig(executable_path="/nonexistent/chromium")),
+    ):
         pass
 
 
 WEB_PAGES = sorted(DATA.glob("web_pages/*.html"))
 
 
-@pytest.mark.skipif(not WEB_PAGES,
-                    reason=f"saved web pages not found under {DATA}/web_pages (set KAMERA_DATA)")
+@pytest.mark.skipif(
+    not WEB_PAGES, reason=f"saved web pages not found under {DATA}/web_pages (set KAMERA_DATA)"
+)
 def test_saved_pages_render_offline(chromium: str) -> None:
     with serve_directory(DATA / "web_pages") as server:
         start = server.url + WEB_PAGES[0].name

@@ -41,11 +41,17 @@ def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
 
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose IHDR claims width x height, with one tiny IDAT: a decompression bomb's header."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + \
-        chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_modes_normalised_to_rgb() -> None:
@@ -113,8 +119,12 @@ def test_data_urls() -> None:
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     assert decode_data_url(url).image.size == (5, 7)
     assert load_image(url).image.getpixel((0, 0)) == (0, 128, 0)
-    for bad in ("data:text/plain;base64,aGVsbG8=", "data:image/png,rawbytes",
-                "data:image/png;base64,@@@notbase64", "data:image/png;base64,aGVsbG8="):
+    for bad in (
+        "data:text/plain;base64,aGVsbG8=",
+        "data:image/png,rawbytes",
+        "data:image/png;base64,@@@notbase64",
+        "data:image/png;base64,aGVsbG8=",
+    ):
         with pytest.raises(NotAnImageError):
             decode_data_url(bad)
     with pytest.raises(ImageTooLargeError):
@@ -159,9 +169,25 @@ def test_fetch_off_by_default_and_config_checks() -> None:
         FetchConfig(allowed_schemes=frozenset({"ftp"}))
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "192.168.0.7", "172.16.5.5", "169.254.169.254",
-                                     "100.64.0.1", "0.0.0.0", "240.0.0.1", "224.0.0.1", "::1", "fe80::1%eth0",
-                                     "fc00::1", "::ffff:127.0.0.1", "::"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "10.1.2.3",
+        "192.168.0.7",
+        "172.16.5.5",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "240.0.0.1",
+        "224.0.0.1",
+        "::1",
+        "fe80::1%eth0",
+        "fc00::1",
+        "::ffff:127.0.0.1",
+        "::",
+    ],
+)
 def test_non_public_addresses_refused(address: str) -> None:
     with pytest.raises(FetchError, match="non-public"):
         check_public_host("example.com", 443, lambda host, port: [PUBLIC_IP, address])
@@ -186,8 +212,12 @@ def test_fetch_pins_checked_address() -> None:
         seen.append(request)
         return httpx.Response(200, content=PNG)
 
-    out = load_image("https://IMG.example/a.png?x=1", _fetch_config(), _resolver({"img.example": PUBLIC_IP}),
-                     httpx.MockTransport(handler))
+    out = load_image(
+        "https://IMG.example/a.png?x=1",
+        _fetch_config(),
+        _resolver({"img.example": PUBLIC_IP}),
+        httpx.MockTransport(handler),
+    )
     assert out.image.size == (9, 4)
     assert seen[0].url.host == PUBLIC_IP
     assert seen[0].headers["host"] == "img.example"
@@ -198,8 +228,13 @@ def test_fetch_redirects_rechecked() -> None:
     table = {"img.example": PUBLIC_IP, "cdn.example": "10.0.0.5", "other.example": PUBLIC_IP}
 
     def handler(request: httpx.Request) -> httpx.Response:
-        where = {"/private": "https://cdn.example/x.png", "/elsewhere": "https://other.example/x.png",
-                 "/loop": "/loop", "/plain": "http://img.example/x.png", "/ok": "/final"}
+        where = {
+            "/private": "https://cdn.example/x.png",
+            "/elsewhere": "https://other.example/x.png",
+            "/loop": "/loop",
+            "/plain": "http://img.example/x.png",
+            "/ok": "/final",
+        }
         if request.url.path in where:
             return httpx.Response(302, headers={"location": where[request.url.path]})
         return httpx.Response(200, content=PNG)
@@ -207,8 +242,12 @@ def test_fetch_redirects_rechecked() -> None:
     transport = httpx.MockTransport(handler)
     config = _fetch_config()
     assert load_image("https://img.example/ok", config, _resolver(table), transport).image.size == (9, 4)
-    for path, message in (("/private", "non-public"), ("/elsewhere", "allowlist"),
-                          ("/loop", "redirects"), ("/plain", "scheme")):
+    for path, message in (
+        ("/private", "non-public"),
+        ("/elsewhere", "allowlist"),
+        ("/loop", "redirects"),
+        ("/plain", "scheme"),
+    ):
         with pytest.raises(FetchError, match=message):
             load_image(f"https://img.example{path}", config, _resolver(table), transport)
 
@@ -232,8 +271,11 @@ def test_fetch_size_cap_and_status() -> None:
 
 
 def test_fetch_real_loopback_refused() -> None:
-    config = MediaConfig(fetch=FetchConfig(enabled=True, allowed_hosts=frozenset({"localhost"}),
-                                           allowed_schemes=frozenset({"http"})))
+    config = MediaConfig(
+        fetch=FetchConfig(
+            enabled=True, allowed_hosts=frozenset({"localhost"}), allowed_schemes=frozenset({"http"})
+        )
+    )
     with pytest.raises(FetchError, match="non-public"):
         load_image("http://localhost:9/a.png", config)
 
@@ -241,8 +283,9 @@ def test_fetch_real_loopback_refused() -> None:
 SCREENSHOTS = DATA / "screenshots"
 
 
-@pytest.mark.skipif(not SCREENSHOTS.is_dir(),
-                    reason=f"real screenshots not found at {SCREENSHOTS} (set KAMERA_DATA)")
+@pytest.mark.skipif(
+    not SCREENSHOTS.is_dir(), reason=f"real screenshots not found at {SCREENSHOTS} (set KAMERA_DATA)"
+)
 def test_real_screenshots() -> None:
     config = MediaConfig(allowed_dir=SCREENSHOTS)
     paths = sorted(p for p in SCREENSHOTS.iterdir() if p.suffix in (".png", ".jpg"))

@@ -59,10 +59,13 @@ def test_probe_reads_metadata(videos: dict[str, Path]) -> None:
     assert info.codec == "h264"
 
 
-@pytest.mark.parametrize(("name", "fps", "expected"), [
-    ("1min", 0.5, 30), ("10min", 0.5, 300), pytest.param("10min", 2.0, 768, marks=pytest.mark.slow)])
-def test_fps_sampling_count_indices_and_timestamps(videos: dict[str, Path], name: str, fps: float,
-                                                   expected: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "fps", "expected"),
+    [("1min", 0.5, 30), ("10min", 0.5, 300), pytest.param("10min", 2.0, 768, marks=pytest.mark.slow)],
+)
+def test_fps_sampling_count_indices_and_timestamps(
+    videos: dict[str, Path], name: str, fps: float, expected: int
+) -> None:
     frames = list(iter_frames(videos[name], SamplingConfig(fps=fps)))
     total = probe_video(videos[name]).total_frames
     # qwen-vl-utils: n = floor_even(clamp(total / video_fps * fps, 4, min(768, total))), spread by linspace.
@@ -126,8 +129,14 @@ print(json.dumps({"growth_kib": peak - base, "peak_kib": peak, "frames": n,
 
 def _decode_rss(path: Path, mode: str = "stream") -> dict[str, int]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path), mode], env=env, check=True,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(path), mode],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -205,12 +214,15 @@ def test_non_video_inputs(tmp_path: Path) -> None:
         probe_video(wav)
 
 
-@pytest.mark.parametrize(("limits", "what"), [
-    (VideoLimits(max_file_bytes=1000), "bytes"),
-    (VideoLimits(max_duration_s=30.0), "duration_s"),
-    (VideoLimits(max_total_frames=100), "total_frames"),
-    (VideoLimits(max_frame_pixels=100 * 100), "frame_pixels"),
-])
+@pytest.mark.parametrize(
+    ("limits", "what"),
+    [
+        (VideoLimits(max_file_bytes=1000), "bytes"),
+        (VideoLimits(max_duration_s=30.0), "duration_s"),
+        (VideoLimits(max_total_frames=100), "total_frames"),
+        (VideoLimits(max_frame_pixels=100 * 100), "frame_pixels"),
+    ],
+)
 def test_limits_checked_before_decoding(videos: dict[str, Path], limits: VideoLimits, what: str) -> None:
     with pytest.raises(VideoLimitError, match=what):
         probe_video(videos["1min"], limits)

@@ -85,7 +85,9 @@ def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
     assert report["distinct_frames"] == 20
     # 160x120 frames kept within the tiny model's pixel bounds, not raised to a video's 100k minimum
     h, w = report["frame_size"]
-    assert 56 * 56 <= h * w <= 224 * 224 and h % 28 == 0 and w % 28 == 0
+    assert 56 * 56 <= h * w <= 224 * 224
+    assert h % 28 == 0
+    assert w % 28 == 0
     assert report["vision_encoder_calls"] == report["distinct_frames"]
     assert report["window"]["chunks_evicted"] > 0  # the window slid
     assert report["tokens_reused"] > 0

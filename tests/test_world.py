@@ -231,8 +231,9 @@ def test_frame_targets_describe_each_image_token() -> None:
 
 
 def test_training_loss_adds_the_frame_objective() -> None:
-    from bench.train_world_model import ModelSize, build_config, build_processor, train_batch, training_loss
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from bench.train_world_model import ModelSize, build_config, build_processor, train_batch, training_loss
 
     torch.manual_seed(0)
     processor = build_processor(WorldConfig())
@@ -241,7 +242,8 @@ def test_training_loss_adds_the_frame_objective() -> None:
     with torch.no_grad():
         plain, zero = training_loss(model, batch, processor.image_token_id, 0.0)
         both, aux = training_loss(model, batch, processor.image_token_id, 0.5)
-    assert float(zero) == 0.0 and float(aux) > 0
+    assert float(zero) == 0.0
+    assert float(aux) > 0
     torch.testing.assert_close(both, plain + 0.5 * aux)
 
 

@@ -32,8 +32,15 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from playwright.sync_api import BrowserContext, Page, Playwright, Request, Route
 
-CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync")
+CHROMIUM_ARGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -147,8 +154,9 @@ class Browser:
         self.start_result = self.goto(self.start_url)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._context is not None:
             self._context.close()
         if self._playwright is not None:
@@ -194,9 +202,11 @@ class Browser:
 
     def scroll(self, dx: float, dy: float) -> ActionResult:
         """Scroll by (dx, dy) CSS pixels with the mouse wheel at the viewport centre."""
+
         def wheel() -> None:
             self.page.mouse.move(self.config.viewport_width / 2, self.config.viewport_height / 2)
             self.page.mouse.wheel(dx, dy)
+
         return self._act(wheel)
 
     def back(self) -> ActionResult:

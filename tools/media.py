@@ -78,8 +78,9 @@ class ImageLimits:
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.max_pixels <= 0:
-            raise ValueError(f"limits must be positive: max_bytes={self.max_bytes}, "
-                             f"max_pixels={self.max_pixels}")
+            raise ValueError(
+                f"limits must be positive: max_bytes={self.max_bytes}, max_pixels={self.max_pixels}"
+            )
         if not self.formats:
             raise ValueError("at least one image format must be allowed")
 
@@ -143,7 +144,8 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), source: str =
         width, height = image.size
         if width * height > limits.max_pixels:
             raise ImageTooLargeError(
-                f"{source}: {width}x{height} pixels exceeds max_pixels={limits.max_pixels}")
+                f"{source}: {width}x{height} pixels exceeds max_pixels={limits.max_pixels}"
+            )
         fmt = image.format or "?"
         try:
             image.load()
@@ -161,8 +163,9 @@ def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> LoadedImag
     if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
         raise NotAnImageError(f"not a base64 image data URL: {head[:64]!r}")
     if len(payload) * 3 // 4 > limits.max_bytes:
-        raise ImageTooLargeError(f"data URL carries about {len(payload) * 3 // 4} bytes, "
-                                 f"over max_bytes={limits.max_bytes}")
+        raise ImageTooLargeError(
+            f"data URL carries about {len(payload) * 3 // 4} bytes, over max_bytes={limits.max_bytes}"
+        )
     try:
         data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -203,9 +206,12 @@ def read_allowed_file(path: str | Path, allowed_dir: Path, max_bytes: int) -> tu
     return resolved, data
 
 
-def load_image(source: str | bytes | Path, config: MediaConfig = MediaConfig(),
-               resolver: Resolver | None = None,
-               transport: httpx.BaseTransport | None = None) -> LoadedImage:
+def load_image(
+    source: str | bytes | Path,
+    config: MediaConfig = MediaConfig(),
+    resolver: Resolver | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> LoadedImage:
     """Load an image from bytes, a data URL, an http(s) URL, a `file://` URL or a local path.
 
     `resolver` and `transport` (an httpx transport) replace DNS and the network for tests.
@@ -218,10 +224,11 @@ def load_image(source: str | bytes | Path, config: MediaConfig = MediaConfig(),
     if isinstance(source, str) and text.startswith("data:"):
         return decode_data_url(text, limits)
     if isinstance(source, str) and text.split(":", 1)[0].lower() in ("http", "https"):
-        return decode_image(fetch_bytes(text, config.fetch, limits.max_bytes, resolver, transport),
-                            limits, source=text)
+        return decode_image(
+            fetch_bytes(text, config.fetch, limits.max_bytes, resolver, transport), limits, source=text
+        )
     if isinstance(source, str) and text.startswith("file://"):
-        text = text[len("file://"):]
+        text = text[len("file://") :]
     if config.allowed_dir is None:
         raise DisallowedPathError(f"{text}: local files are not allowed (no allowed_dir)")
     resolved, data = read_allowed_file(text, config.allowed_dir, limits.max_bytes)
@@ -245,8 +252,13 @@ def check_public_host(host: str, port: int, resolver: Resolver | None = None) ->
     return addresses
 
 
-def fetch_bytes(url: str, fetch: FetchConfig, max_bytes: int, resolver: Resolver | None = None,
-                transport: httpx.BaseTransport | None = None) -> bytes:
+def fetch_bytes(
+    url: str,
+    fetch: FetchConfig,
+    max_bytes: int,
+    resolver: Resolver | None = None,
+    transport: httpx.BaseTransport | None = None,
+) -> bytes:
     """GET `url` under `fetch`'s policy (module doc), following redirects by hand.
 
     Raises FetchError for a refused or failed fetch and ImageTooLargeError past `max_bytes`.
@@ -257,8 +269,9 @@ def fetch_bytes(url: str, fetch: FetchConfig, max_bytes: int, resolver: Resolver
         raise FetchError(f"{url}: fetching URLs is disabled")
     deadline = time.monotonic() + fetch.total_timeout_s
     timeout = httpx.Timeout(fetch.read_timeout_s, connect=fetch.connect_timeout_s)
-    with httpx.Client(timeout=timeout, trust_env=False, follow_redirects=False,
-                      transport=transport) as client:
+    with httpx.Client(
+        timeout=timeout, trust_env=False, follow_redirects=False, transport=transport
+    ) as client:
         current = httpx.URL(url)
         for _ in range(fetch.max_redirects + 1):
             request = _pinned_request(client, current, fetch, resolver)
@@ -278,8 +291,9 @@ def fetch_bytes(url: str, fetch: FetchConfig, max_bytes: int, resolver: Resolver
         raise FetchError(f"{url}: more than {fetch.max_redirects} redirects")
 
 
-def _pinned_request(client: httpx.Client, url: httpx.URL, fetch: FetchConfig,
-                    resolver: Resolver | None) -> httpx.Request:
+def _pinned_request(
+    client: httpx.Client, url: httpx.URL, fetch: FetchConfig, resolver: Resolver | None
+) -> httpx.Request:
     if url.scheme not in fetch.allowed_schemes:
         raise FetchError(f"{url}: scheme {url.scheme!r} is not allowed")
     host = url.host.lower()
@@ -289,8 +303,7 @@ def _pinned_request(client: httpx.Client, url: httpx.URL, fetch: FetchConfig,
     address = check_public_host(host, port, resolver)[0]
     headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*", "Accept-Encoding": "identity"}
     extensions = {"sni_hostname": host} if url.scheme == "https" else {}
-    return client.build_request("GET", url.copy_with(host=address), headers=headers,
-                                extensions=extensions)
+    return client.build_request("GET", url.copy_with(host=address), headers=headers, extensions=extensions)
 
 
 def _read_capped(response: httpx.Response, max_bytes: int, deadline: float, where: str) -> bytes:
