@@ -372,7 +372,8 @@ def frame_token_targets(episodes: Sequence[Episode], tokenizer: PreTrainedTokeni
                 rows.append(words)
     target = torch.zeros(len(rows), len(tokenizer))
     for r, words in enumerate(rows):
-        for i in tokenizer.convert_tokens_to_ids(words):  # a digit may be the frame's number too
+        ids = tokenizer.convert_tokens_to_ids(words)
+        for i in ids if isinstance(ids, list) else [ids]:  # a digit may be the frame's number too
             target[r, i] += 1.0 / len(words)
     return target
 
