@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import resource
 import time
@@ -220,6 +221,7 @@ def run_session(
     for op in OPS:
         enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
         pre0 = cm.counters.tokens_prefilled
+        rot0 = cm.counters.tokens_rotated
         t = time.perf_counter()
         if op == "append":
             new = rest.pop(0)
@@ -243,6 +245,8 @@ def run_session(
         kamera_s = op_s + assemble_s + q_s
         own_prefill_s = q_s + (op_s if op == "append" else 0.0)
         overhead_s = assemble_s + (0.0 if op == "append" else op_s)
+        rotated = cm.counters.tokens_rotated - rot0
+        prefix_keys = cm.placed_kv(0)[0]  # the layout of the window's keys, for the copy floor
         cm.invalidate()  # the question is not part of the window
         calls["kamera"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
         prefilled["kamera"] += cm.counters.tokens_prefilled - pre0 + question.n_tokens
@@ -271,6 +275,8 @@ def run_session(
             "kamera_overhead_ms": 1000 * overhead_s,
             "kamera_own_prefill_ms": 1000 * own_prefill_s,
             "finalize_ms": 1000 * finalize_s,
+            "tokens_rotated": rotated,
+            "copy_floor_ms": copy_floor_ms(prefix_keys, rotated),
             "first_token_same": {"prefix": tok_p == tok_r, "kamera": tok_k == tok_r},
             "sources": [str(v.source) for v in cm.view()],
         }
@@ -285,6 +291,22 @@ def run_session(
         "prefilled_tokens": prefilled,
         "unique_images": len(unique_images),
     }
+
+
+def copy_floor_ms(like: torch.Tensor, n_tokens: int, repeats: int = 3) -> float:
+    """Milliseconds to copy ``n_tokens`` tokens' keys of every layer once (``like``: a placed
+    ``[layers, heads, T, dim]`` key tensor), best of ``repeats``: the memory traffic any
+    re-rotation of those keys needs at least (read once, write once)."""
+    if n_tokens == 0:
+        return 0.0
+    shape = (like.shape[0], like.shape[1], n_tokens, *like.shape[3:])
+    src, dst = torch.randn(shape, dtype=like.dtype), torch.empty(shape, dtype=like.dtype)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 1000 * best
 
 
 def summarise(steps: list[dict[str, Any]]) -> dict[str, float]:
@@ -387,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefix",
             "kamera",
             "kamera ops",
+            "rotated",
+            "copy floor",
             "reprefill/kamera",
             "same first token",
         ):
@@ -401,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{ms['prefix']:.0f}",
                 f"{ms['kamera']:.0f}",
                 f"{s['kamera_overhead_ms']:.1f}",
+                str(s["tokens_rotated"]),
+                f"{s['copy_floor_ms']:.1f}",
                 f"{ms['reprefill'] / ms['kamera']:.1f}",
                 "yes" if s["first_token_same"]["kamera"] else "no",
             )

@@ -33,6 +33,11 @@ def test_ttft_bench_writes_every_step_and_the_summary(tmp_path: Path) -> None:
     assert summary["unique_images"] >= calls["kamera"]
     # the recalled chunk comes back from the store, not from a forward pass
     assert "canonical+patch" in steps[3]["sources"]
+    # a reorder re-rotates the moved chunks' keys; the copy floor is timed for as many tokens
+    assert steps[2]["tokens_rotated"] > 0
+    assert steps[2]["copy_floor_ms"] > 0
+    for s in steps:
+        assert (s["copy_floor_ms"] > 0) == (s["tokens_rotated"] > 0)
 
 
 def test_prefix_cache_reuses_the_longest_unchanged_leading_run() -> None:
