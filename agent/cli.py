@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "web-agent": ("demos.web_agent", "act on a web page from screenshots, step after step"),
     "train-demo-model": ("bench.train_world_model", "train the embedded vision-language model"),
+    "world-video": ("demos.world", "write a video of the synthetic world and its questions with answers"),
 }
 
 

@@ -144,6 +144,7 @@ class Asked:
     index: int
     question: str
     at: float | None  # None: after the last frame
+    expected: str | None = None  # the right answer, when the questions file gives it
     answer: str = ""
     ttft_ms: float = 0.0
     answer_ms: float = 0.0
@@ -157,23 +158,44 @@ class Asked:
 # --------------------------------------------------------------------------- the session
 
 
+class LabelledFrames(ChatML):
+    """The embedded world model's layout: one user turn holds the frames, each after ``frame k``
+    (k: its place among the question's frames, in time order), then the question.
+
+    ``system`` opens that user turn after the system message; ``instruction`` continues it with
+    the question and opens the assistant's turn.
+    """
+
+    def system(self, text: str) -> str:
+        return f"<|im_start|>system\n{text}<|im_end|>\n<|im_start|>user\n"
+
+    def instruction(self, text: str) -> str:
+        return f"{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+LAYOUTS = ("auto", "chat", "labelled")
+
+
 class VideoSession:
     """One video played through one agent window; frames in, questions answered on demand."""
 
     def __init__(self, adapter: ModelAdapter, args: argparse.Namespace) -> None:
         self.adapter = adapter
         self.args = args
+        self.labelled = layout_of(args) == "labelled"
+        self.chat = LabelledFrames() if self.labelled else ChatML()
         self.agent = Agent(
             adapter,
             args.system,
             WindowConfig(budget_tokens=args.budget, keep=args.keep),
             policy="text",
+            chat=self.chat,
             max_new_tokens=args.max_new_tokens,
             finalize=False,  # canonical KV and patches are fitted when a chunk slides out, not per answer
         )
         self.retrieval = make_retrieval(args.retrieval)
         self.frames: list[FrameRecord] = []
-        self.inputs: dict[str, ImageInput] = {}
+        self.inputs: dict[str, ChunkInput] = {}  # frames and labels by chunk id
         self.reprefill: dict[str, Any] | None = None
         self.pending: list[tuple[ImageInput, float]] = []
         self.prefix_tokens = self.cm.view()[0].n_tokens  # the pinned system prompt
@@ -186,9 +208,9 @@ class VideoSession:
     def add_frame(self, image: Any, t: float) -> None:
         """Queue a decoded frame; every ``--ingest-batch`` frames go into the window together
         (one vision encoder batch, one forward pass), and before a question."""
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
-        self.preprocess_s += time.perf_counter() - t
+        self.preprocess_s += time.perf_counter() - t0
         if chunk.n_tokens + self.prefix_tokens > self.args.budget:
             raise UsageError(
                 f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
@@ -241,18 +263,21 @@ class VideoSession:
         t0 = time.perf_counter()
         latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
         candidates = sorted(latest.values(), key=lambda f: f.t)
-        room = self.args.budget - self.prefix_tokens
+        room = self.args.budget - self.prefix_tokens - self._prompt(q.question).n_tokens
         k, used = 0, 0
         for f in sorted(candidates, key=lambda f: f.n_tokens):  # how many frames fit at most
-            if k >= self.args.frames_per_question or used + f.n_tokens > room:
+            cost = f.n_tokens + (self._label(k + 1).n_tokens if self.labelled else 0)
+            if k >= self.args.frames_per_question or used + cost > room:
                 break
-            k, used = k + 1, used + f.n_tokens
+            k, used = k + 1, used + cost
         picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
         chosen = [candidates[i] for i in picked]
         q.recalled_times = self._bring_in(chosen)
-        window = [v for v in self.cm.view() if v.kind == "frame"]
-        q.frame_times = [float(v.meta["t"]) for v in window]
-        q.window_ids = [v.chunk_id for v in window]
+        if self.labelled:
+            self._relabel(chosen)
+        window = self.cm.view()[1:]
+        q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
+        q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
         prepare_ms = 1000 * (time.perf_counter() - t0)
         result = self.agent.step([], q.question)
         q.answer = result.output.strip()
@@ -284,8 +309,29 @@ class VideoSession:
             self.cm.recall(f.chunk_id, at=at)
         return [f.t for f in missing]
 
+    def _label(self, k: int) -> TextInput:
+        return encode_text(self.adapter, f"frame {k}")
+
+    def _relabel(self, chosen: Sequence[FrameRecord]) -> None:
+        """Leave only the chosen frames in the window, each after its ``frame k`` label.
+
+        Earlier turns and labels slide out; the labels go in as one batch after the frames and
+        are then moved in front of theirs by rotation (their KV is conditioned on the frames
+        before them, not on the frames' new order: the approximation the cache makes)."""
+        ids = {f.chunk_id for f in chosen}
+        view = self.cm.view()
+        for i in range(len(view) - 1, 0, -1):
+            if view[i].kind != "frame" or view[i].chunk_id not in ids:
+                self.cm.slide_at(i)
+        frames = [v.chunk_id for v in self.cm.view()[1:]]
+        labels = [self._label(k) for k in range(1, len(frames) + 1)]
+        label_ids = self.cm.append_many(labels, [{"kind": "label"} for _ in labels])
+        for cid, label in zip(label_ids, labels, strict=True):
+            self.inputs[cid] = label
+        self.cm.reorder([c for pair in zip(label_ids, frames, strict=True) for c in pair])
+
     def _prefix(self) -> TextInput:
-        return encode_text(self.adapter, ChatML().system(self.args.system))
+        return encode_text(self.adapter, self.chat.system(self.args.system))
 
     def _measure_reprefill(self, q: Asked) -> dict[str, Any]:
         """Full prefill of the same window (frames' features cached) and the question's first token."""
@@ -294,7 +340,7 @@ class VideoSession:
         return {"ttft_ms": ms, "answer": answer, "same_answer": answer.strip() == q.answer}
 
     def _prompt(self, question: str) -> TextInput:
-        return encode_text(self.adapter, ChatML().instruction(question))
+        return encode_text(self.adapter, self.chat.instruction(question))
 
     def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
         """Each question answered from scratch on its window, vision encoder included."""
@@ -311,6 +357,9 @@ class VideoSession:
             "reencode_vision_encoder_calls": calls,
             "reencode_answers": answers,
             "reencode_same_answers": sum(a == q.answer for a, q in zip(answers, asked, strict=True)),
+            "reencode_correct": sum(
+                a == q.expected for a, q in zip(answers, asked, strict=True) if q.expected is not None
+            ),
         }
 
 
@@ -339,7 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Answer questions over a video whose frames slide through a token-budgeted window.",
     )
     p.add_argument("video", help="a video file (anything PyAV decodes)")
-    p.add_argument("--question", "-q", action="append", required=True, help="a question (repeatable)")
+    p.add_argument("--question", "-q", action="append", help="a question (repeatable)")
+    p.add_argument(
+        "--questions",
+        type=Path,
+        help="a JSON list of {question, at, answer}: more questions, with the right answer when known "
+        "(the report then marks each answer); 'kamera world-video' writes one",
+    )
     p.add_argument(
         "--at",
         action="append",
@@ -367,6 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="frames encoded and prefilled together as the video plays (16; 1: one by one)",
     )
     p.add_argument("--system", default=SYSTEM_PROMPT, help="system prompt")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="prompt layout: 'chat' (frames between the system turn and the question's user turn), "
+        "'labelled' (the embedded world model's: frames inside the user turn, each after 'frame k'); "
+        "auto: labelled for the embedded world model, chat otherwise",
+    )
     sampling = p.add_mutually_exclusive_group()
     sampling.add_argument("--fps", type=float, help="frames sampled per second (qwen-vl-utils default 2)")
     sampling.add_argument("--nframes", type=int, help="frames sampled over the whole video")
@@ -384,11 +447,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def schedule(args: argparse.Namespace) -> list[Asked]:
-    if len(args.at) > len(args.question):
-        raise UsageError(f"{len(args.at)} --at for {len(args.question)} --question")
+    questions = list(args.question or [])
+    if len(args.at) > len(questions):
+        raise UsageError(f"{len(args.at)} --at for {len(questions)} --question")
     times: list[float | None] = [parse_time(a) for a in args.at]
-    times += [None] * (len(args.question) - len(times))
-    return [Asked(i, q, t) for i, (q, t) in enumerate(zip(args.question, times, strict=True))]
+    times += [None] * (len(questions) - len(times))
+    asked = [Asked(i, q, t) for i, (q, t) in enumerate(zip(questions, times, strict=True))]
+    if getattr(args, "questions", None) is not None:
+        asked += read_questions(args.questions, start=len(asked))
+    if not asked:
+        raise UsageError("no question: give --question or --questions FILE")
+    return asked
+
+
+def read_questions(path: Path, start: int = 0) -> list[Asked]:
+    """Questions from a JSON list of ``{"question": str, "at": time or null, "answer": str}``
+    (``at`` and ``answer`` optional; ``at`` as for ``--at``)."""
+    try:
+        items = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--questions {path}: {e}") from None
+    if not isinstance(items, list):
+        raise UsageError(f"--questions {path}: expected a JSON list of questions")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("question"), str):
+            raise UsageError(f'--questions {path}: entry {i} has no "question" string')
+        at = item.get("at")
+        try:
+            t = None if at is None else parse_time(str(at))
+        except ValueError as e:
+            raise UsageError(f"--questions {path}: entry {i}: {e}") from None
+        expected = item.get("answer")
+        out.append(Asked(start + i, item["question"], t, None if expected is None else str(expected)))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -465,7 +557,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sample_fps": plan.sample_fps,
         "frame_size": [plan.height, plan.width],
         "frames_sampled": n_sampled,
-        "distinct_frames": len(session.inputs),
+        "distinct_frames": len({f.chunk_id for f in session.frames}),
         "vision_encoder_calls": snap["vision_encoder_calls"],
         "tokens_reused": snap["window"]["tokens_reused"],
         "questions": [
@@ -473,6 +565,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "question": q.question,
                 "asked_at_s": q.asked_at,
                 "answer": q.answer,
+                "expected": q.expected,
                 "ttft_ms": q.ttft_ms,
                 "answer_ms": q.answer_ms,
                 "frame_times": q.frame_times,
@@ -481,6 +574,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for q in asked
         ],
+        "correct": sum(q.answer == q.expected for q in asked if q.expected is not None),
+        "with_expected": sum(q.expected is not None for q in asked),
         "reprefill_ttft_ms": (session.reprefill or {}).get("ttft_ms"),
         "reprefill_same_answer": (session.reprefill or {}).get("same_answer"),
         "total_s": total_s,
@@ -497,6 +592,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["speedup_answers"] = report["reencode_total_s"] / max(report["answer_total_s"], 1e-9)
         report.update(question_rate(report, len(asked)))
     return report
+
+
+def layout_of(args: argparse.Namespace) -> str:
+    """The prompt layout ``--layout`` asks for (``auto``: labelled on the embedded world model)."""
+    layout = str(getattr(args, "layout", "auto"))
+    if layout != "auto":
+        return layout
+    model = getattr(args, "model", None)
+    is_world = model is None or Path(model).resolve() == Path(WORLD_VL_DIR).resolve()
+    return "labelled" if is_world else "chat"
 
 
 def question_rate(report: dict[str, Any], n_questions: int) -> dict[str, Any]:
@@ -558,7 +663,11 @@ def print_report(report: dict[str, Any]) -> None:
     for q in report["questions"]:
         times = spans(q["frame_times"])
         print(f"[{clock(q['asked_at_s'])}] Q: {q['question']}")
-        print(f"  A: {q['answer']!r}")
+        expected = q.get("expected")
+        mark = ""
+        if expected is not None:
+            mark = "  (right)" if q["answer"] == expected else f"  (expected {expected!r})"
+        print(f"  A: {q['answer']!r}{mark}")
         print(f"  frames at {times}; ttft {q['ttft_ms']:.0f} ms")
     line = (
         f"{report['frames_sampled']} frames sampled ({report['distinct_frames']} distinct), "
@@ -570,6 +679,8 @@ def print_report(report: dict[str, Any]) -> None:
     if "reencode_total_s" in report:
         line += f"; re-encoding every question {report['reencode_total_s']:.1f} s"
     print(line)
+    if report.get("with_expected"):
+        print(f"{report['correct']} of {report['with_expected']} answers right")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -385,3 +385,53 @@ def write_video(
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def questions_for_video(
+    episodes: list[Episode], fps: int = 1, per_episode: int | None = None
+) -> list[dict[str, object]]:
+    """The questions of episodes written back to back by :func:`write_video`, each asked half a
+    frame before the next episode starts (so its window ends on the episode's last frame):
+    ``{"question", "at", "answer", "kind", "template", "episode"}``. ``per_episode`` keeps that
+    many per episode, templates taken in turn across episodes."""
+    out: list[dict[str, object]] = []
+    for e, ep in enumerate(episodes):
+        qs = list(ep.questions)
+        if per_episode is not None:
+            shift = (e * per_episode) % max(1, len(qs))
+            qs = (qs[shift:] + qs[:shift])[:per_episode]
+        at = ((e + 1) * len(ep.frames) - 0.5) / fps
+        for q in qs:
+            out.append(
+                {"question": q.text, "at": at, "answer": q.answer, "kind": q.kind, "template": q.template}
+                | {"episode": e}
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kamera world-video OUT``: a video of world episodes and its questions with their answers."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="kamera world-video", description=main.__doc__)
+    p.add_argument("out", type=Path, help="the video file to write (.mp4)")
+    p.add_argument("--episodes", type=int, default=3, help="episodes back to back (3)")
+    p.add_argument("--split", choices=SPLIT_NAMES, default="test")
+    p.add_argument("--start", type=int, default=0, help="first episode index in the split")
+    p.add_argument("--fps", type=int, default=1)
+    p.add_argument("--per-episode", type=int, default=None, help="questions kept per episode (all)")
+    p.add_argument(
+        "--questions", type=Path, default=None, help="where to write the questions (OUT with .json)"
+    )
+    a = p.parse_args(argv)
+    if a.episodes < 1 or a.start < 0 or a.fps < 1 or (a.per_episode is not None and a.per_episode < 1):
+        p.error("--episodes, --fps and --per-episode must be >= 1 and --start >= 0")
+    episodes = make_split(a.split, a.episodes, start=a.start)
+    write_video(episodes, a.out, fps=a.fps)
+    questions = questions_for_video(episodes, a.fps, a.per_episode)
+    qpath = a.questions or a.out.with_suffix(".json")
+    qpath.write_text(json.dumps(questions, indent=1) + "\n")
+    n_frames = sum(len(ep.frames) for ep in episodes)
+    print(f"wrote {a.out} ({n_frames} frames, {n_frames / a.fps:.0f} s), {len(questions)} questions: {qpath}")
+    return 0

@@ -146,7 +146,7 @@ def test_bad_inputs_exit_2_without_traceback(
 def test_bad_options_exit_2(video: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(video), "-q", "a", "--at", "later", "--model", "tiny"]) == 2
     assert main([str(video), "-q", "a", "--at", "1", "--at", "2", "--model", "tiny"]) == 2
-    assert main([str(video), "--model", "tiny"]) == 2  # no question: argparse
+    assert main([str(video), "--model", "tiny"]) == 2  # no question
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -157,3 +157,43 @@ def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.Capt
         pytest.skip("the world_vl checkpoint is present")
     assert main([str(video), "-q", "what?", "--quiet", "--nframes", "2"]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_labelled_layout_answers_world_questions_from_a_file(tmp_path: Path) -> None:
+    from demos.world import main as world_video
+
+    path = tmp_path / "world.mp4"
+    assert world_video([str(path), "--episodes", "2", "--per-episode", "2"]) == 0
+    questions = json.loads(path.with_suffix(".json").read_text())
+    assert [q["at"] for q in questions] == [5.5, 5.5, 11.5, 11.5]
+    out = tmp_path / "report.json"
+    code = main(
+        [str(path), "--model", "tiny", "--layout", "labelled", "--fps", "1", "--budget", "400",
+         "--retrieval", "recent", "--frames-per-question", "6", "--questions", str(path.with_suffix(".json")),
+         "--max-new-tokens", "2", "--json", str(out), "--quiet", "--threads", "1", "--compare"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["with_expected"] == 4
+    assert 0 <= report["correct"] <= 4
+    assert 0 <= report["reencode_correct"] <= 4
+    # each question looks at its own episode's six frames, in time order
+    first, second = [0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]
+    assert [q["frame_times"] for q in report["questions"]] == [first, first, second, second]
+    assert [q["expected"] for q in report["questions"]] == [q["answer"] for q in questions]
+    assert report["vision_encoder_calls"] == report["distinct_frames"] == 12
+
+
+BAD_QUESTION_FILES = ["not json", '{"question": "a"}', '[{"at": 3}]', '[{"question": "a", "at": "x"}]']
+
+
+@pytest.mark.parametrize("content", BAD_QUESTION_FILES)
+def test_bad_questions_file_exits_2(
+    content: str, video: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "q.json"
+    bad.write_text(content)
+    assert main([str(video), "--model", "tiny", "--questions", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--questions" in err
+    assert "Traceback" not in err
