@@ -289,3 +289,27 @@ def test_checkpoint_loads_and_answers() -> None:
             if q.template == "count_at":
                 counts.append(answer == q.answer)
     assert sum(counts) >= 6, counts
+
+
+def test_training_is_deterministic_for_a_seed(tmp_path) -> None:
+    """Two short runs with the same seed end on the same weights and the same losses."""
+    from safetensors.torch import load_file
+
+    from bench.train_world_model import ModelSize, TrainConfig, train
+
+    def run(name: str) -> dict:
+        cfg = TrainConfig(
+            steps=3, batch_size=2, warmup=1, n_val=1, n_test=1, eval_every=100, threads=1,
+            out_dir=str(tmp_path / name), log_dir=str(tmp_path / f"{name}-logs"),
+            model=ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64,
+                            mrope_section=(2, 3, 3), vision_hidden=32, vision_depth=1, vision_heads=2,
+                            vision_intermediate=64),
+        )  # fmt: skip
+        return train(cfg)
+
+    first, second = run("a"), run("b")
+    assert first["final_loss"] == second["final_loss"]
+    wa = load_file(str(tmp_path / "a" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
