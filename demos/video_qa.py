@@ -680,7 +680,10 @@ def print_report(report: dict[str, Any]) -> None:
         line += f"; re-encoding every question {report['reencode_total_s']:.1f} s"
     print(line)
     if report.get("with_expected"):
-        print(f"{report['correct']} of {report['with_expected']} answers right")
+        line = f"{report['correct']} of {report['with_expected']} answers right"
+        if "reencode_correct" in report:
+            line += f" (re-encoding every window: {report['reencode_correct']})"
+        print(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
