@@ -401,11 +401,17 @@ def questions_for_video(
             shift = (e * per_episode) % max(1, len(qs))
             qs = (qs[shift:] + qs[:shift])[:per_episode]
         at = ((e + 1) * len(ep.frames) - 0.5) / fps
-        for q in qs:
-            out.append(
-                {"question": q.text, "at": at, "answer": q.answer, "kind": q.kind, "template": q.template}
-                | {"episode": e}
-            )
+        out += [
+            {
+                "question": q.text,
+                "at": at,
+                "answer": q.answer,
+                "kind": q.kind,
+                "template": q.template,
+                "episode": e,
+            }
+            for q in qs
+        ]
     return out
 
 

@@ -307,7 +307,11 @@ def test_training_is_deterministic_for_a_seed(tmp_path) -> None:
         )  # fmt: skip
         return train(cfg)
 
-    first, second = run("a"), run("b")
+    threads = torch.get_num_threads()
+    try:
+        first, second = run("a"), run("b")
+    finally:
+        torch.set_num_threads(threads)  # train() sets its own thread count
     assert first["final_loss"] == second["final_loss"]
     wa = load_file(str(tmp_path / "a" / "model.safetensors"))
     wb = load_file(str(tmp_path / "b" / "model.safetensors"))
