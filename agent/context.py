@@ -72,7 +72,7 @@ class WindowConfig:
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
-    rope_kernel: str = "eager"
+    rope_kernel: str = "auto"
     headroom_tokens: int = 256
     max_offset: int | None = None
     orbit_orderings: int = 4

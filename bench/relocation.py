@@ -7,8 +7,8 @@ on the relocated cache with those on the direct prefill (max absolute difference
 Throughput: rotating a chunk's positional part to a new start against a plain copy of the same
 bytes, side by side in one run, at 256 to 16k tokens, on the SmolLM2 layout (30 layers, 3 KV
 heads, 64 dims) and the DeepSeek-V2 MLA layout (60 layers, one 64-dim ``k_rope``; the 512-wide
-latent is never touched). Both rotation kernels are measured; the cos/sin table is memoised per
-placement as the runtime does.
+latent is never touched). Every rotation kernel is measured (eager torch ops, the native C pass
+where it builds, Inductor); the cos/sin table is memoised per placement as the runtime does.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter
+from cache import native
 from cache.rope import RopeSpec, default_inv_freq, rotate
 
 STARTS = (1, 100, 1000)
 SIZES = (256, 1024, 4096, 16384)
+BENCH_KERNELS = ("eager", "native", "compiled")
 # DeepSeek-V2 (236B) attention dimensions, for the MLA byte count
 DSV2 = {"layers": 60, "heads": 128, "qk_nope": 128, "qk_rope": 64, "v_head": 128, "kv_lora_rank": 512}
 
@@ -77,17 +79,18 @@ def throughput(
     positions = torch.arange(size) + 4096
     gb = x.numel() * x.element_size() / 1e9
     out: dict[str, float] = {"bytes": x.numel() * x.element_size()}
-    for kernel in ("eager", "compiled"):
-        rotate(x, positions, spec, kernel)  # warm: memoises cos/sin, compiles once
+    kernels = BENCH_KERNELS if native.library() is not None else ("eager", "compiled")
+    for kernel in kernels:
+        rotate(x, positions, spec, kernel)  # warm: memoises cos/sin, compiles or builds once
     copy_s = best_of(lambda: x.clone(), repeats)
     out["copy_gbps"] = gb / copy_s
-    for kernel in ("eager", "compiled"):
+    for kernel in kernels:
         s = best_of(lambda k=kernel: rotate(x, positions, spec, k), repeats)  # type: ignore[misc]
         out[f"{kernel}_gbps"] = gb / s
     # side by side once more, so drift between the two measurements cannot favour either
     copy_s = min(copy_s, best_of(lambda: x.clone(), repeats))
     out["copy_gbps"] = gb / copy_s
-    out["relocate_gbps"] = max(out["eager_gbps"], out["compiled_gbps"])
+    out["relocate_gbps"] = max(out[f"{k}_gbps"] for k in kernels)
     out["ratio"] = out["relocate_gbps"] / out["copy_gbps"]
     return out
 
@@ -160,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t.add_row(name, str(f["n_tokens"]), *errs, f"{f['logits_max_abs_diff']:.2e}")
     console.print(t)
     t = Table(title="rotation throughput vs a plain copy of the same bytes (GB/s)")
-    for col in ("tokens", "layout", "copy", "eager", "compiled", "best / copy"):
+    for col in ("tokens", "layout", "copy", *BENCH_KERNELS, "best / copy"):
         t.add_column(col, justify="right")
     for size_name, per in tput.items():
         for layout in layouts:
@@ -169,8 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 size_name,
                 layout,
                 f"{r['copy_gbps']:.2f}",
-                f"{r['eager_gbps']:.2f}",
-                f"{r['compiled_gbps']:.2f}",
+                *(f"{r[f'{k}_gbps']:.2f}" if f"{k}_gbps" in r else "-" for k in BENCH_KERNELS),
                 f"{r['ratio']:.2f}",
             )
     console.print(t)

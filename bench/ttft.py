@@ -33,6 +33,7 @@ from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.context import ContextManager, WindowConfig
+from cache.rope import KERNELS
 from cache.store import StoreConfig, TieredStore
 
 OPS = ("append", "slide", "reorder", "recall", "append")
@@ -327,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vl-sizes", default="1024", help="window budgets for the Qwen2.5-VL image session")
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--image-side", type=int, default=224)
-    parser.add_argument("--rope-kernel", default="eager", choices=["eager", "compiled"])
+    parser.add_argument("--rope-kernel", default="auto", choices=sorted(KERNELS))
     parser.add_argument("--models", default="smollm2,qwen2.5-vl")
     parser.add_argument("--data", default=None, help="multi-hop QA JSON for the text chunks")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -85,7 +85,7 @@ class ChunkKV:
         """Absolute positions when the chunk starts at ``start`` (``[T]`` or ``[3, T]``)."""
         return self.positions + start
 
-    def place(self, start: int, spec: RopeSpec, kernel: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
+    def place(self, start: int, spec: RopeSpec, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE ``(k, v)`` for the chunk at ``start``: k rotated, v shared, not copied."""
         return rotate(self.k, self.placed_positions(start), spec, kernel), self.v
 

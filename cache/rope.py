@@ -36,6 +36,8 @@ from typing import Literal
 
 import torch
 
+from cache import native
+
 Pairing = Literal["half", "interleaved"]
 
 
@@ -288,9 +290,31 @@ def _rotate_compiled(
     return result if out is None else out.copy_(result)
 
 
+def _rotate_native(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One read-rotate-write pass in C (``cache/native.py``); CPU float32 only."""
+    if not native.supports(x, cos, out):
+        raise ValueError(
+            "the native kernel takes CPU float32 tensors outside autograd; use 'auto' or 'eager'"
+        )
+    return native.rotate(x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved", out)
+
+
+def _rotate_auto(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The native pass where it applies and is built on this machine, the eager ops elsewhere."""
+    if native.supports(x, cos, out) and native.library() is not None:
+        return native.rotate(x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved", out)
+    return _rotate_eager(x, cos, sin, spec, out)
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RopeSpec, "torch.Tensor | None"], torch.Tensor]
 KERNELS: dict[str, Kernel] = {
+    "auto": _rotate_auto,
     "eager": _rotate_eager,
+    "native": _rotate_native,
     "compiled": _rotate_compiled,
 }
 
@@ -300,16 +324,18 @@ def apply_rotation(
     cos: torch.Tensor,
     sin: torch.Tensor,
     spec: RopeSpec,
-    kernel: str = "eager",
+    kernel: str = "auto",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a, b) -> (a cos - b sin, b cos + a sin)`` on every pair; the kernel behind the rest.
 
     x: ``[..., T, D]`` with ``D >= rotary_dim``; cos, sin: float32, broadcastable to
-    ``[..., T, rotary_dim // 2]``. ``kernel`` names an entry of :data:`KERNELS`: ``eager``
-    (plain torch ops, no warm-up) or ``compiled`` (a fused single pass, compiled on first use).
-    Returns a new tensor of x's dtype, or writes into ``out`` (any strides, x's shape) and
-    returns it; x is not modified.
+    ``[..., T, rotary_dim // 2]``. ``kernel`` names an entry of :data:`KERNELS`: ``native`` (one
+    read-rotate-write pass in C, built once per machine; CPU float32 outside autograd),
+    ``eager`` (plain torch ops, anywhere), ``auto`` (native where it applies and could be built,
+    eager elsewhere) or ``compiled`` (Inductor, compiled on first use). Returns a new tensor of
+    x's dtype, or writes into ``out`` (any strides, x's shape, not overlapping x) and returns
+    it; x is not modified.
     """
     if x.shape[-1] < spec.rotary_dim:
         raise ValueError(f"feature dim {x.shape[-1]} is smaller than rotary_dim {spec.rotary_dim}")
@@ -338,7 +364,7 @@ def rotate(
     x: torch.Tensor,
     positions: torch.Tensor,
     spec: RopeSpec,
-    kernel: str = "eager",
+    kernel: str = "auto",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply RoPE: pre-RoPE ``x [..., T, D]`` to the frame of ``positions`` (``[T]`` or ``[3, T]``).
@@ -360,7 +386,7 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.
     return apply_rotation(x, cos * inv, sin * -inv, spec)
 
 
-def relocate(x: torch.Tensor, delta: int, spec: RopeSpec, kernel: str = "eager") -> torch.Tensor:
+def relocate(x: torch.Tensor, delta: int, spec: RopeSpec, kernel: str = "auto") -> torch.Tensor:
     """Move rotated keys ``[..., T, D]`` by ``delta`` positions (all M-RoPE axes alike).
 
     One angle per frequency for every token: ``R(p + delta) = R(delta) R(p)``.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from agent.adapters.base import ModelAdapter
+from cache.native import cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,10 +36,6 @@ class UnsupportedModelError(ValueError):
 
 class ModelNotFoundError(FileNotFoundError):
     """Neither a local checkpoint, a GGUF file nor an embedded model by that name."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KAMERA_CACHE_DIR", Path.home() / ".cache" / "kamera"))
 
 
 def smollm2_gguf_path() -> Path:

@@ -172,7 +172,7 @@ class PromptCacheConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
     max_index_entries: int = 1 << 16
-    rope_kernel: str = "eager"
+    rope_kernel: str = "auto"
     max_tenants: int = 1024
 
     def __post_init__(self) -> None:

@@ -1,0 +1,242 @@
+"""The native rotation kernel: ``cache/rope_native.c``, built once per machine, called by ctypes.
+
+Re-rotating a window's keys is bound by memory traffic. Eager torch ops rotate in four passes
+over halves of the keys (a product and a fused multiply-add into each half of the output); the
+C loop reads each key once, rotates it and writes it once, which runs at the speed of a plain
+copy. It is built on first use with the machine's C compiler into
+``$KAMERA_CACHE_DIR/kernels`` (default ``~/.cache/kamera``; a file named by the hash of the
+source and the compiler, written atomically, so processes sharing the folder never load half a
+file) and the build is reused from then on. Large rotations are split over ``torch``'s thread
+count: ctypes releases the GIL for the call, so the parts run in parallel.
+
+Without a compiler (or on a build error) :func:`library` returns ``None`` once with a warning in
+the log, and ``cache.rope``'s ``auto`` kernel uses the eager ops.
+
+Not here: the rotation's contract and its reference (``cache/rope.py``); CUDA tensors, other
+dtypes than float32 and anything needing autograd (the eager ops take those).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from threading import Lock
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rope_native.c")
+# Below this many output elements one call on the calling thread beats handing out parts.
+PARALLEL_MIN_ELEMENTS = 1 << 20
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# x, its 3 strides; out, its 3 strides; cos, sin, token stride; n0, n1, T, D, rotary_dim; pairing
+_ARGTYPES: list[Any] = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64]
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, ctypes.c_int]
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernel was asked for by name but could not be built or loaded here."""
+
+
+def cache_dir() -> Path:
+    """Where Kamera keeps files derived once per machine (converted models, built kernels)."""
+    return Path(os.environ.get("KAMERA_CACHE_DIR", Path.home() / ".cache" / "kamera"))
+
+
+def _compiler() -> list[str] | None:
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        if not candidate:
+            continue
+        argv = shlex.split(str(candidate))
+        if argv and shutil.which(argv[0]):
+            return argv
+    return None
+
+
+def build(folder: Path | None = None) -> Path:
+    """The shared object for this machine, compiled now unless an identical build is there.
+
+    Raises :class:`NativeKernelError` (with the compiler's message) when it cannot be built.
+    """
+    cc = _compiler()
+    if cc is None:
+        raise NativeKernelError("no C compiler found (set CC, or install gcc or clang)")
+    flags = ["-O3", "-std=c11", "-shared", "-fPIC"]
+    source = SOURCE.read_bytes()
+    parts = [source, *(s.encode() for s in cc + flags), platform.machine().encode()]
+    digest = hashlib.sha256(b"\0".join(parts))
+    folder = (folder or cache_dir()) / "kernels"
+    target = folder / f"rope-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rope-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+        )
+        if done.returncode != 0:
+            raise NativeKernelError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeKernelError(f"building {SOURCE.name} failed: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class _Loaded:
+    def __init__(self) -> None:
+        self.lock = Lock()
+        self.tried = False
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.pool_size = 0
+
+
+_STATE = _Loaded()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; ``None`` (logged once) where it cannot be."""
+    with _STATE.lock:
+        if not _STATE.tried:
+            _STATE.tried = True
+            try:
+                lib = _load()
+                lib.kamera_rotate_f32.argtypes = _ARGTYPES
+                lib.kamera_rotate_f32.restype = None
+                _STATE.lib = lib
+            except (NativeKernelError, OSError) as exc:
+                _STATE.error = str(exc)
+                log.warning("native rotation kernel unavailable, using eager torch ops: %s", exc)
+        return _STATE.lib
+
+
+def _load() -> ctypes.CDLL:
+    path = build()
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        # not a loadable object (damaged on disk): drop it and build again, once
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(build()))
+
+
+def require() -> ctypes.CDLL:
+    """The loaded kernel, or :class:`NativeKernelError` saying why there is none."""
+    lib = library()
+    if lib is None:
+        raise NativeKernelError(f"the native rotation kernel is unavailable: {_STATE.error}")
+    return lib
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    with _STATE.lock:
+        if _STATE.pool is None or _STATE.pool_size != threads:
+            if _STATE.pool is not None:
+                _STATE.pool.shutdown(wait=False)
+            _STATE.pool = ThreadPoolExecutor(threads, thread_name_prefix="kamera-rope")
+            _STATE.pool_size = threads
+        return _STATE.pool
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
+    """``[..., T, D]`` as ``[n0, n1, T, D]`` without copying, or None when the leading dims can't merge."""
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    if t.dim() > 4:
+        try:
+            t = t.view(-1, *t.shape[-3:])
+        except RuntimeError:
+            return None
+    return t
+
+
+def _table(t: torch.Tensor, n_tokens: int, half: int) -> torch.Tensor | None:
+    """cos or sin as a ``[T or 1, rd/2]`` contiguous float32 table, or None if it varies by more."""
+    if t.shape[-1] != half or any(s != 1 for s in t.shape[:-2]):
+        return None
+    t = t.reshape(-1, half) if t.dim() >= 2 else t.reshape(1, half)
+    if t.shape[0] not in (1, n_tokens):
+        return None
+    return t.to(torch.float32).contiguous()
+
+
+def supports(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether :func:`rotate` takes these tensors (CPU float32, no autograd, a known layout)."""
+    tensors = [x, cos] if out is None else [x, cos, out]
+    if any(t.device.type != "cpu" for t in tensors) or x.dtype != torch.float32:
+        return False
+    if out is not None and (out.dtype != torch.float32 or out.stride(-1) != 1 or _as_4d(out) is None):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad):
+        return False
+    return x.dim() >= 2 and _table(cos, x.shape[-2], cos.shape[-1]) is not None
+
+
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotary_dim: int,
+    interleaved: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``cache.rope.apply_rotation`` for tensors :func:`supports` accepts, in one pass.
+
+    x ``[..., T, D]`` float32; cos, sin ``[T, rotary_dim // 2]`` or ``[rotary_dim // 2]`` (one
+    angle per frequency for every token); ``out``: x's shape, any strides with a unit feature
+    stride, not overlapping x. Raises :class:`NativeKernelError` when the kernel is unavailable.
+    """
+    lib = require()
+    if x.stride(-1) != 1 or _as_4d(x) is None:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+    n_tokens, dim, half = x.shape[-2], x.shape[-1], rotary_dim // 2
+    c, s = _table(cos, n_tokens, half), _table(sin, n_tokens, half)
+    x4, o4 = _as_4d(x), _as_4d(out)
+    if c is None or s is None or x4 is None or o4 is None:
+        raise ValueError(f"unsupported layout: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    ts = half if c.shape[0] == n_tokens and n_tokens > 1 else 0
+    sizes = [x4.shape[0], x4.shape[1], n_tokens]
+
+    def run(axis: int, lo: int, hi: int) -> None:
+        part = list(sizes)
+        part[axis] = hi - lo
+        xo = lo * x4.stride(axis) * 4
+        oo = lo * o4.stride(axis) * 4
+        co = lo * ts * 4 if axis == 2 else 0
+        lib.kamera_rotate_f32(
+            x4.data_ptr() + xo, x4.stride(0), x4.stride(1), x4.stride(2),
+            o4.data_ptr() + oo, o4.stride(0), o4.stride(1), o4.stride(2),
+            c.data_ptr() + co, s.data_ptr() + co, ts,
+            part[0], part[1], part[2], dim, rotary_dim, int(interleaved),
+        )  # fmt: skip
+
+    threads = torch.get_num_threads()
+    axis = next((a for a in range(3) if sizes[a] >= threads), 2)
+    if threads < 2 or x.numel() < PARALLEL_MIN_ELEMENTS or sizes[axis] < 2:
+        run(0, 0, sizes[0])
+        return out
+    step = -(-sizes[axis] // threads)
+    bounds = [(lo, min(lo + step, sizes[axis])) for lo in range(0, sizes[axis], step)]
+    for job in [_pool(threads).submit(run, axis, lo, hi) for lo, hi in bounds]:
+        job.result()
+    return out
