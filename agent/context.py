@@ -41,7 +41,7 @@ from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
 from cache.patch import Patch, PatchConfig, apply_patch, fit_patch
 from cache.rank import rank_strategy
-from cache.rope import rotate
+from cache.rope import rotate_many
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
 
 
@@ -619,7 +619,7 @@ class ContextManager:
     def _write(self) -> None:
         """Rotate every chunk whose keys are not at its place (values too for new ones)."""
         assert self._arena is not None
-        spec, kernel = self.adapter.spec, self.config.rope_kernel
+        rotations = []
         for slot in self._slots:
             at = self._base + slot.start
             if slot.placed_start == at:
@@ -629,12 +629,13 @@ class ContextManager:
             t = 0
             for p, n in slot.segs:
                 out = self._arena.k[:, :, p : p + n]
-                rotate(slot.kv.k[:, :, t : t + n], positions[..., t : t + n], spec, kernel, out=out)
+                rotations.append((slot.kv.k[:, :, t : t + n], positions[..., t : t + n], out))
                 if values:
                     self._arena.v[:, :, p : p + n] = slot.kv.v[:, :, t : t + n]
                 t += n
             slot.placed_start = at
             self.counters.tokens_rotated += slot.kv.n_tokens
+        rotate_many(rotations, self.adapter.spec, self.config.rope_kernel)
 
     # --- internals ----------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Lock
@@ -40,11 +41,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rope_native.c")
 # Below this many output elements one call on the calling thread beats handing out parts.
 PARALLEL_MIN_ELEMENTS = 1 << 20
+# From this many output elements on, stores bypass the cache (see rope_native.c): output this
+# large is not read again before much else has passed through the cache.
+STREAM_MIN_ELEMENTS = 1 << 20
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# x, its 3 strides; out, its 3 strides; cos, sin, token stride; n0, n1, T, D, rotary_dim; pairing
+# x, its 3 strides; out, its 3 strides; cos, sin, token stride; n0, n1, T, D, rotary_dim;
+# interleaved pairing; streaming stores
 _ARGTYPES: list[Any] = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64]
-_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, ctypes.c_int]
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
 
 
 class NativeKernelError(RuntimeError):
@@ -191,6 +196,79 @@ def supports(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor | None) -> bo
     return x.dim() >= 2 and _table(cos, x.shape[-2], cos.shape[-1]) is not None
 
 
+class _Job:
+    """One rotation, checked and laid out for the C call; :meth:`run` does a slice of it."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        n_tokens, half = x.shape[-2], cos.shape[-1]
+        c, s = _table(cos, n_tokens, half), _table(sin, n_tokens, half)
+        x4, o4 = _as_4d(x), _as_4d(out)
+        if c is None or s is None or x4 is None or o4 is None:
+            raise ValueError(f"unsupported layout: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+        self.lib, self.x4, self.o4, self.c, self.s = lib, x4, o4, c, s
+        self.ts = half if c.shape[0] == n_tokens and n_tokens > 1 else 0
+        self.sizes = (x4.shape[0], x4.shape[1], n_tokens)
+
+    def parts(self, n: int) -> tuple[int, list[tuple[int, int]]]:
+        """The first axis (of dim 0, dim 1, tokens) long enough for ``n`` parts, and its parts."""
+        axis = next((a for a in range(3) if self.sizes[a] >= n), 2)
+        size = self.sizes[axis]
+        step = -(-size // n)
+        return axis, [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+
+    def run(self, axis: int, lo: int, hi: int, rotary_dim: int, interleaved: bool, stream: bool) -> None:
+        part = list(self.sizes)
+        part[axis] = hi - lo
+        x4, o4 = self.x4, self.o4
+        xo, oo = lo * x4.stride(axis) * 4, lo * o4.stride(axis) * 4
+        co = lo * self.ts * 4 if axis == 2 else 0
+        self.lib.kamera_rotate_f32(
+            x4.data_ptr() + xo, x4.stride(0), x4.stride(1), x4.stride(2),
+            o4.data_ptr() + oo, o4.stride(0), o4.stride(1), o4.stride(2),
+            self.c.data_ptr() + co, self.s.data_ptr() + co, self.ts,
+            part[0], part[1], part[2], x4.shape[-1], rotary_dim, int(interleaved), int(stream),
+        )  # fmt: skip
+
+
+def rotate_many(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """Several ``(x, cos, sin, out)`` rotations (see :func:`rotate`) handed to the threads once.
+
+    Every rotation is cut into one part per thread and each thread does its part of all of
+    them, so a window re-assembled from many chunks pays for waking the threads once, not once
+    per chunk.
+    """
+    lib = require()
+    jobs = []
+    for x, cos, sin, out in items:
+        if x.stride(-1) != 1 or _as_4d(x) is None:
+            x = x.contiguous()
+        jobs.append(_Job(lib, x, cos, sin, out))
+    total = sum(job.o4.numel() for job in jobs)
+    stream = total >= STREAM_MIN_ELEMENTS
+    threads = torch.get_num_threads()
+    if threads < 2 or total < PARALLEL_MIN_ELEMENTS:
+        for job in jobs:
+            job.run(0, 0, job.sizes[0], rotary_dim, interleaved, stream)
+        return
+    plans = [(job, *job.parts(threads)) for job in jobs]
+
+    def share(k: int) -> None:
+        for job, axis, bounds in plans:
+            if k < len(bounds):
+                job.run(axis, *bounds[k], rotary_dim, interleaved, stream)
+
+    waits = [_pool(threads - 1).submit(share, k) for k in range(1, threads)]
+    share(0)  # the calling thread takes the first share itself
+    for w in waits:
+        w.result()
+
+
 def rotate(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -205,38 +283,6 @@ def rotate(
     angle per frequency for every token); ``out``: x's shape, any strides with a unit feature
     stride, not overlapping x. Raises :class:`NativeKernelError` when the kernel is unavailable.
     """
-    lib = require()
-    if x.stride(-1) != 1 or _as_4d(x) is None:
-        x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
-    n_tokens, dim, half = x.shape[-2], x.shape[-1], rotary_dim // 2
-    c, s = _table(cos, n_tokens, half), _table(sin, n_tokens, half)
-    x4, o4 = _as_4d(x), _as_4d(out)
-    if c is None or s is None or x4 is None or o4 is None:
-        raise ValueError(f"unsupported layout: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
-    ts = half if c.shape[0] == n_tokens and n_tokens > 1 else 0
-    sizes = [x4.shape[0], x4.shape[1], n_tokens]
-
-    def run(axis: int, lo: int, hi: int) -> None:
-        part = list(sizes)
-        part[axis] = hi - lo
-        xo = lo * x4.stride(axis) * 4
-        oo = lo * o4.stride(axis) * 4
-        co = lo * ts * 4 if axis == 2 else 0
-        lib.kamera_rotate_f32(
-            x4.data_ptr() + xo, x4.stride(0), x4.stride(1), x4.stride(2),
-            o4.data_ptr() + oo, o4.stride(0), o4.stride(1), o4.stride(2),
-            c.data_ptr() + co, s.data_ptr() + co, ts,
-            part[0], part[1], part[2], dim, rotary_dim, int(interleaved),
-        )  # fmt: skip
-
-    threads = torch.get_num_threads()
-    axis = next((a for a in range(3) if sizes[a] >= threads), 2)
-    if threads < 2 or x.numel() < PARALLEL_MIN_ELEMENTS or sizes[axis] < 2:
-        run(0, 0, sizes[0])
-        return out
-    step = -(-sizes[axis] // threads)
-    bounds = [(lo, min(lo + step, sizes[axis])) for lo in range(0, sizes[axis], step)]
-    for job in [_pool(threads).submit(run, axis, lo, hi) for lo, hi in bounds]:
-        job.result()
+    rotate_many([(x, cos, sin, out)], rotary_dim, interleaved)
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from threading import Lock
 from typing import Literal
@@ -212,14 +212,57 @@ def angles(positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
 _TABLE_CACHE: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLE_LOCK = Lock()
 _TABLE_CACHE_SIZE = 512
+# Positions below a bound read one float32 table per (spec, device), grown by doubling: a
+# window's positions stay under about twice its budget, so its rotations gather rows instead of
+# evaluating cos and sin again. The bound keeps each table under this many bytes (cos and sin).
+POSITION_TABLE_BYTES = 64 << 20
+_POSITION_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _position_table(spec: RopeSpec, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin of ``p * inv_freq`` for every position ``p < n`` or more: ``[N, F]`` float32.
+
+    None when ``n`` is past what :data:`POSITION_TABLE_BYTES` allows.
+    """
+    f = spec.rotary_dim // 2
+    limit = POSITION_TABLE_BYTES // (8 * f)
+    if n > limit:
+        return None
+    key = (spec, device)
+    with _TABLE_LOCK:
+        table = _POSITION_TABLES.get(key)
+        if table is not None and table[0].shape[0] >= n:
+            return table
+        size = min(limit, max(n, 4096, 2 * (0 if table is None else table[0].shape[0])))
+        a = torch.arange(size, dtype=torch.float64, device=device)[:, None] * torch.tensor(
+            spec.inv_freq, dtype=torch.float64, device=device
+        )
+        table = (a.cos().to(torch.float32), a.sin().to(torch.float32))
+        _POSITION_TABLES[key] = table
+        return table
 
 
 def cos_sin(positions: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin`` of :func:`angles`, ``[T, rotary_dim // 2]``, memoised per positions.
+    """float32 ``cos, sin`` of :func:`angles`, ``[T, rotary_dim // 2]``.
 
-    The memo is keyed by the positions' bytes, so a chunk placed at the same start again (or a
-    window re-assembled) reuses its table instead of recomputing transcendental functions.
+    Non-negative integer positions under a bound are gathered from one table per spec (the same
+    float64 angles, computed once); others are computed and memoised by the positions' bytes,
+    so a chunk placed at the same start again reuses its table.
     """
+    if not positions.is_floating_point() and positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        table = _position_table(spec, positions.device, hi + 1) if lo >= 0 else None
+        if table is not None:
+            cos_t, sin_t = table
+            if spec.n_axes == 1 or positions.dim() == 1:
+                if positions.dim() != 1:
+                    raise ValueError(f"1-D RoPE takes positions [T], got shape {tuple(positions.shape)}")
+                return cos_t[positions], sin_t[positions]
+            if positions.dim() != 2 or positions.shape[0] != 3:
+                raise ValueError(f"M-RoPE takes positions [3, T], got shape {tuple(positions.shape)}")
+            axes = torch.tensor(spec.frequency_axes, device=positions.device)
+            index = positions[axes].transpose(0, 1)  # [T, F]: the position each frequency reads
+            return cos_t.gather(0, index), sin_t.gather(0, index)
     key = (spec, positions.device, tuple(positions.shape), positions.cpu().numpy().tobytes())
     with _TABLE_LOCK:
         hit = _TABLE_CACHE.get(key)
@@ -371,11 +414,40 @@ def rotate(
 
     ``out``: write the result there (e.g. a chunk's slice of a window buffer) instead of a new tensor.
     """
+    cos, sin = _placed_tables(x, positions, spec)
+    return apply_rotation(x, cos, sin, spec, kernel, out)
+
+
+def _placed_tables(
+    x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_tokens(x, positions)
     cos, sin = cos_sin(positions.to(x.device), spec)
     if spec.attention_scaling != 1.0:
         cos, sin = cos * spec.attention_scaling, sin * spec.attention_scaling
-    return apply_rotation(x, cos, sin, spec, kernel, out)
+    return cos, sin
+
+
+def rotate_many(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], spec: RopeSpec, kernel: str = "auto"
+) -> None:
+    """:func:`rotate` of every ``(x, positions, out)``, writing into each ``out``.
+
+    With the native kernel, all of them go to the threads in one hand-off (re-assembling a window
+    rotates many chunks at once); otherwise one :func:`rotate` after another.
+    """
+    tables = [_placed_tables(x, positions, spec) for x, positions, _ in items]
+    if kernel in ("auto", "native") and items:
+        ok = all(
+            x.dtype == torch.float32 and x.shape == out.shape and native.supports(x, cos, out)
+            for (x, _, out), (cos, _) in zip(items, tables, strict=True)
+        )
+        if ok and (kernel == "native" or native.library() is not None):
+            batch = [(x, cos, sin, out) for (x, _, out), (cos, sin) in zip(items, tables, strict=True)]
+            native.rotate_many(batch, spec.rotary_dim, spec.pairing == "interleaved")
+            return
+    for (x, _, out), (cos, sin) in zip(items, tables, strict=True):
+        apply_rotation(x, cos, sin, spec, kernel, out)
 
 
 def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

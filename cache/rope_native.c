@@ -9,13 +9,45 @@
  *
  * Compiled once per machine with function multiversioning on x86-64, so one shared object runs
  * the AVX-512, AVX2 or baseline loop that the CPU it is loaded on supports.
+ *
+ * stream != 0 asks for non-temporal stores where the layout allows them (AVX-512, "half"
+ * pairing over the whole feature dim, rd/2 a multiple of 16, 64-byte aligned output rows): a
+ * large rotation into a window buffer then writes its output without first reading every
+ * destination line into the cache, the traffic a plain store costs.
  */
 #include <stdint.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KAMERA_X86 1
+#include <immintrin.h>
 #define KAMERA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KAMERA_CLONES
+#endif
+
+#ifdef KAMERA_X86
+__attribute__((target("avx512f")))
+static void rotate_half_stream(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
+                               float *out, int64_t os0, int64_t os1, int64_t os2,
+                               const float *cs, const float *sn, int64_t ts,
+                               int64_t n0, int64_t n1, int64_t n_tokens, int64_t h) {
+    for (int64_t i0 = 0; i0 < n0; i0++) {
+        for (int64_t i1 = 0; i1 < n1; i1++) {
+            for (int64_t t = 0; t < n_tokens; t++) {
+                const float *xr = x + i0 * xs0 + i1 * xs1 + t * xs2;
+                float *o = out + i0 * os0 + i1 * os1 + t * os2;
+                const float *c = cs + t * ts, *s = sn + t * ts;
+                for (int64_t f = 0; f < h; f += 16) {
+                    const __m512 a = _mm512_loadu_ps(xr + f), b = _mm512_loadu_ps(xr + h + f);
+                    const __m512 cv = _mm512_loadu_ps(c + f), sv = _mm512_loadu_ps(s + f);
+                    _mm512_stream_ps(o + f, _mm512_fnmadd_ps(b, sv, _mm512_mul_ps(a, cv)));
+                    _mm512_stream_ps(o + h + f, _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv)));
+                }
+            }
+        }
+    }
+    _mm_sfence(); /* the streamed lines are visible before the caller reads them */
+}
 #endif
 
 KAMERA_CLONES
@@ -23,8 +55,15 @@ void kamera_rotate_f32(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
                        float *out, int64_t os0, int64_t os1, int64_t os2,
                        const float *cs, const float *sn, int64_t ts,
                        int64_t n0, int64_t n1, int64_t n_tokens, int64_t dim, int64_t rd,
-                       int interleaved) {
+                       int interleaved, int stream) {
     const int64_t h = rd / 2;
+#ifdef KAMERA_X86
+    const int aligned = ((uintptr_t)out % 64 == 0) && os0 % 16 == 0 && os1 % 16 == 0 && os2 % 16 == 0;
+    if (stream && !interleaved && rd == dim && h % 16 == 0 && aligned && __builtin_cpu_supports("avx512f")) {
+        rotate_half_stream(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
+        return;
+    }
+#endif
     for (int64_t i0 = 0; i0 < n0; i0++) {
         for (int64_t i1 = 0; i1 < n1; i1++) {
             for (int64_t t = 0; t < n_tokens; t++) {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache import native
-from cache.rope import KERNELS, cos_sin, relocate, rotate, unrotate
+from cache.rope import KERNELS, cos_sin, relocate, rotate, rotate_many, unrotate
 from tests.test_rope import SPECS, _positions, max_rel, reference_rotate
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
@@ -35,8 +35,14 @@ def test_any_number_of_leading_dims(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(rotate(x, pos, spec, "native"), rotate(x, pos, spec, "eager"))
 
 
-def test_writes_into_a_strided_window_without_touching_the_rest() -> None:
-    spec = SPECS["interleaved"]
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_writes_into_a_strided_window_without_touching_the_rest(
+    pairing: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if stream:  # the streaming-store loop (x86-64 with AVX-512, half pairing, aligned rows)
+        monkeypatch.setattr(native, "STREAM_MIN_ELEMENTS", 1)
+    spec = SPECS[pairing]
     arena = torch.zeros(4, 2, 100, 64)
     x = torch.randn(4, 2, 30, 64)
     pos = torch.arange(500, 530)
@@ -144,3 +150,21 @@ def test_a_failing_compiler_is_reported_with_its_message(
 
 def test_every_kernel_is_listed() -> None:
     assert {"auto", "eager", "native", "compiled"} <= set(KERNELS)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "native", "eager"])
+def test_rotate_many_equals_one_rotation_after_another(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 1)  # the threads share every rotation
+    spec = SPECS["mrope"]
+    arena = torch.zeros(3, 2, 200, 64)
+    sizes, items, expected = [5, 40, 1, 17], [], []
+    at = 0
+    for i, n in enumerate(sizes):
+        x = torch.randn(3, 2, n, 64)
+        pos = _positions(spec, n, 100 * i)
+        items.append((x, pos, arena[:, :, at : at + n]))
+        expected.append(rotate(x, pos, spec, "eager"))
+        at += n
+    rotate_many(items, spec, kernel)
+    torch.testing.assert_close(arena[:, :, :at], torch.cat(expected, dim=2), rtol=1e-6, atol=1e-6)
+    assert arena[:, :, at:].abs().sum() == 0

@@ -9,8 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache import rope
 from cache.rope import (
     RopeSpec,
+    angles,
+    cos_sin,
     default_inv_freq,
     linear_inv_freq,
     llama3_inv_freq,
@@ -224,3 +227,17 @@ def test_compiled_kernel_matches_eager(name: str) -> None:
 def test_unknown_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="kernel"):
         rotate(torch.randn(1, 4, 64), torch.arange(4), SPECS["half"], kernel="fast")
+
+
+@pytest.mark.parametrize("name", ["half", "partial", "mrope", "mrope-interleaved"])
+def test_cos_sin_tables_equal_the_angles_they_stand_for(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = SPECS[name]
+    cases = [_positions(spec, 50, 3), _positions(spec, 7, 9000), torch.arange(-5, 5)]
+    if spec.n_axes == 3:
+        cases.append(torch.arange(20))  # text on an M-RoPE model: all axes alike
+    monkeypatch.setattr(rope, "POSITION_TABLE_BYTES", 8 * spec.rotary_dim * 1000)  # 2000 positions
+    for pos in cases:  # under the table bound, past it, and negative
+        a = angles(pos, spec)
+        cos, sin = cos_sin(pos, spec)
+        torch.testing.assert_close(cos, a.cos().float(), rtol=0, atol=0)
+        torch.testing.assert_close(sin, a.sin().float(), rtol=0, atol=0)
