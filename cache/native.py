@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -239,8 +240,8 @@ def rotate_many(
 ) -> None:
     """Several ``(x, cos, sin, out)`` rotations (see :func:`rotate`) handed to the threads once.
 
-    Every rotation is cut into one part per thread and each thread does its part of all of
-    them, so a window re-assembled from many chunks pays for waking the threads once, not once
+    The rotations are cut into parts that the calling thread and torch's other threads take in
+    turn, so a window re-assembled from many chunks pays for waking the threads once, not once
     per chunk.
     """
     lib = require()
@@ -256,15 +257,19 @@ def rotate_many(
         for job in jobs:
             job.run(0, 0, job.sizes[0], rotary_dim, interleaved, stream)
         return
-    plans = [(job, *job.parts(threads)) for job in jobs]
+    # about four parts per thread, taken in turn from one counter: a thread that starts late
+    # (woken from sleep) takes fewer, instead of the others waiting for its fixed share
+    per_job = -(-4 * threads // len(jobs))
+    units = [(job, axis, lo, hi) for job in jobs for axis, parts in [job.parts(per_job)] for lo, hi in parts]
+    counter = itertools.count()
 
-    def share(k: int) -> None:
-        for job, axis, bounds in plans:
-            if k < len(bounds):
-                job.run(axis, *bounds[k], rotary_dim, interleaved, stream)
+    def work() -> None:
+        while (i := next(counter)) < len(units):
+            job, axis, lo, hi = units[i]
+            job.run(axis, lo, hi, rotary_dim, interleaved, stream)
 
-    waits = [_pool(threads - 1).submit(share, k) for k in range(1, threads)]
-    share(0)  # the calling thread takes the first share itself
+    waits = [_pool(threads - 1).submit(work) for _ in range(1, threads)]
+    work()  # the calling thread works too
     for w in waits:
         w.result()
 
