@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rope_native.c")
 # Below this many output elements one call on the calling thread beats handing out parts.
-PARALLEL_MIN_ELEMENTS = 1 << 20
-# From this many output elements on, stores bypass the cache (see rope_native.c): output this
-# large is not read again before much else has passed through the cache.
-STREAM_MIN_ELEMENTS = 1 << 20
+PARALLEL_MIN_ELEMENTS = 1 << 22
+# From this many output elements on (64 MiB), stores bypass the cache (see rope_native.c):
+# output this large does not fit in a last-level cache anyway.
+STREAM_MIN_ELEMENTS = 1 << 24
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # x, its 3 strides; out, its 3 strides; cos, sin, token stride; n0, n1, T, D, rotary_dim;

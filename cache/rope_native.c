@@ -10,10 +10,12 @@
  * Compiled once per machine with function multiversioning on x86-64, so one shared object runs
  * the AVX-512, AVX2 or baseline loop that the CPU it is loaded on supports.
  *
- * stream != 0 asks for non-temporal stores where the layout allows them (AVX-512, "half"
- * pairing over the whole feature dim, rd/2 a multiple of 16, 64-byte aligned output rows): a
- * large rotation into a window buffer then writes its output without first reading every
- * destination line into the cache, the traffic a plain store costs.
+ * Rotating the whole feature dim runs explicit vector loops on x86-64: "half" pairing (Llama,
+ * Qwen, Mistral...) with AVX-512 (rd/2 a multiple of 16) or AVX2 (of 8), "interleaved" pairing
+ * (DeepSeek) with AVX-512 (rd/2 a multiple of 8); everything else the compiler's vectorisation
+ * of the plain loop. stream != 0 asks for non-temporal stores where the AVX-512 loop runs and the
+ * output rows are 64-byte aligned: a large rotation into a window buffer then writes its output
+ * without first reading every destination line into the cache, the traffic a plain store costs.
  */
 #include <stdint.h>
 
@@ -26,11 +28,13 @@
 #endif
 
 #ifdef KAMERA_X86
+/* "half" pairing over the whole feature dim, h a multiple of 16: two 16-wide vectors per pair
+ * block, the output either stored (any alignment) or streamed (64-byte aligned rows). */
 __attribute__((target("avx512f")))
-static void rotate_half_stream(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
+static void rotate_half_avx512(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
                                float *out, int64_t os0, int64_t os1, int64_t os2,
                                const float *cs, const float *sn, int64_t ts,
-                               int64_t n0, int64_t n1, int64_t n_tokens, int64_t h) {
+                               int64_t n0, int64_t n1, int64_t n_tokens, int64_t h, int stream) {
     for (int64_t i0 = 0; i0 < n0; i0++) {
         for (int64_t i1 = 0; i1 < n1; i1++) {
             for (int64_t t = 0; t < n_tokens; t++) {
@@ -40,13 +44,73 @@ static void rotate_half_stream(const float *x, int64_t xs0, int64_t xs1, int64_t
                 for (int64_t f = 0; f < h; f += 16) {
                     const __m512 a = _mm512_loadu_ps(xr + f), b = _mm512_loadu_ps(xr + h + f);
                     const __m512 cv = _mm512_loadu_ps(c + f), sv = _mm512_loadu_ps(s + f);
-                    _mm512_stream_ps(o + f, _mm512_fnmadd_ps(b, sv, _mm512_mul_ps(a, cv)));
-                    _mm512_stream_ps(o + h + f, _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv)));
+                    const __m512 oa = _mm512_fnmadd_ps(b, sv, _mm512_mul_ps(a, cv));
+                    const __m512 ob = _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv));
+                    if (stream) {
+                        _mm512_stream_ps(o + f, oa);
+                        _mm512_stream_ps(o + h + f, ob);
+                    } else {
+                        _mm512_storeu_ps(o + f, oa);
+                        _mm512_storeu_ps(o + h + f, ob);
+                    }
                 }
             }
         }
     }
-    _mm_sfence(); /* the streamed lines are visible before the caller reads them */
+    if (stream) {
+        _mm_sfence(); /* the streamed lines are visible before the caller reads them */
+    }
+}
+
+/* "interleaved" pairing over the whole feature dim, h a multiple of 8: 16 features (8 pairs) at
+ * a time, out = x * (c0 c0 c1 c1 ...) + swap(x) * (-s0 s0 -s1 s1 ...). */
+__attribute__((target("avx512f")))
+static void rotate_interleaved_avx512(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
+                                      float *out, int64_t os0, int64_t os1, int64_t os2,
+                                      const float *cs, const float *sn, int64_t ts,
+                                      int64_t n0, int64_t n1, int64_t n_tokens, int64_t h) {
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < n0; i0++) {
+        for (int64_t i1 = 0; i1 < n1; i1++) {
+            for (int64_t t = 0; t < n_tokens; t++) {
+                const float *xr = x + i0 * xs0 + i1 * xs1 + t * xs2;
+                float *o = out + i0 * os0 + i1 * os1 + t * os2;
+                const float *c = cs + t * ts, *s = sn + t * ts;
+                for (int64_t f = 0; f < h; f += 8) {
+                    const __m512 v = _mm512_loadu_ps(xr + 2 * f);
+                    const __m512 cv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(c + f)));
+                    __m512 sv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(s + f)));
+                    sv = _mm512_mask_sub_ps(sv, 0x5555, zero, sv); /* -sin on the first of each pair */
+                    const __m512 swapped = _mm512_permute_ps(v, 0xB1);  /* (a, b) -> (b, a) */
+                    _mm512_storeu_ps(o + 2 * f, _mm512_fmadd_ps(swapped, sv, _mm512_mul_ps(v, cv)));
+                }
+            }
+        }
+    }
+}
+
+/* The same with 8-wide vectors (h a multiple of 8), for x86-64 CPUs without AVX-512. */
+__attribute__((target("avx2,fma")))
+static void rotate_half_avx2(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
+                             float *out, int64_t os0, int64_t os1, int64_t os2,
+                             const float *cs, const float *sn, int64_t ts,
+                             int64_t n0, int64_t n1, int64_t n_tokens, int64_t h) {
+    for (int64_t i0 = 0; i0 < n0; i0++) {
+        for (int64_t i1 = 0; i1 < n1; i1++) {
+            for (int64_t t = 0; t < n_tokens; t++) {
+                const float *xr = x + i0 * xs0 + i1 * xs1 + t * xs2;
+                float *o = out + i0 * os0 + i1 * os1 + t * os2;
+                const float *c = cs + t * ts, *s = sn + t * ts;
+                for (int64_t f = 0; f < h; f += 8) {
+                    const __m256 a = _mm256_loadu_ps(xr + f), b = _mm256_loadu_ps(xr + h + f);
+                    const __m256 cv = _mm256_loadu_ps(c + f), sv = _mm256_loadu_ps(s + f);
+                    _mm256_storeu_ps(o + f, _mm256_fnmadd_ps(b, sv, _mm256_mul_ps(a, cv)));
+                    _mm256_storeu_ps(o + h + f, _mm256_fmadd_ps(a, sv, _mm256_mul_ps(b, cv)));
+                }
+            }
+        }
+    }
 }
 #endif
 
@@ -58,10 +122,21 @@ void kamera_rotate_f32(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
                        int interleaved, int stream) {
     const int64_t h = rd / 2;
 #ifdef KAMERA_X86
-    const int aligned = ((uintptr_t)out % 64 == 0) && os0 % 16 == 0 && os1 % 16 == 0 && os2 % 16 == 0;
-    if (stream && !interleaved && rd == dim && h % 16 == 0 && aligned && __builtin_cpu_supports("avx512f")) {
-        rotate_half_stream(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
+    if (interleaved && rd == dim && h % 8 == 0 && __builtin_cpu_supports("avx512f")) {
+        rotate_interleaved_avx512(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
         return;
+    }
+    if (!interleaved && rd == dim) {
+        if (h % 16 == 0 && __builtin_cpu_supports("avx512f")) {
+            const int aligned = (uintptr_t)out % 64 == 0 && os0 % 16 == 0 && os1 % 16 == 0 && os2 % 16 == 0;
+            rotate_half_avx512(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h,
+                               stream && aligned);
+            return;
+        }
+        if (h % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+            rotate_half_avx2(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
+            return;
+        }
     }
 #endif
     for (int64_t i0 = 0; i0 < n0; i0++) {
