@@ -119,6 +119,16 @@ class _Loaded:
 _STATE = _Loaded()
 
 
+def _after_fork_in_child() -> None:
+    # a forked child has none of the parent's pool threads (and maybe a lock another thread
+    # held): start both afresh, or the first parallel rotation would wait for threads forever
+    _STATE.lock = Lock()
+    _STATE.pool, _STATE.pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; ``None`` (logged once) where it cannot be."""
     with _STATE.lock:

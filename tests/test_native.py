@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +170,30 @@ def test_rotate_many_equals_one_rotation_after_another(kernel: str, monkeypatch:
     rotate_many(items, spec, kernel)
     torch.testing.assert_close(arena[:, :, :at], torch.cat(expected, dim=2), rtol=1e-6, atol=1e-6)
     assert arena[:, :, at:].abs().sum() == 0
+
+
+def _rotate_in_child(queue: Any) -> None:
+    # small tensors: torch's own OpenMP team is not usable after a fork, only ours is under test
+    x = torch.randn(4, 2, 8, 64)
+    pos = torch.arange(8)
+    parted = rotate(x, pos, SPECS["half"], "native")
+    queue.put(torch.allclose(parted, rotate(x, pos, SPECS["half"], "eager"), rtol=1e-6, atol=1e-6))
+
+
+def test_a_forked_child_gets_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rotate(torch.randn(4, 2, 8, 64), torch.arange(8), SPECS["half"], "native")  # the pool exists now
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_rotate_in_child, args=(queue,))
+        child.start()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+        assert child.exitcode == 0, "the child hung or failed rotating with the parent's pool"
+        assert queue.get(timeout=5)
+    finally:
+        torch.set_num_threads(threads)
