@@ -41,7 +41,7 @@ from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
 from cache.patch import Patch, PatchConfig, apply_patch, fit_patch
 from cache.rank import rank_strategy
-from cache.rope import rotate_many
+from cache.rope import KERNELS, rotate_many
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
 
 
@@ -88,6 +88,8 @@ class WindowConfig:
             raise ValueError("headroom_tokens and max_offset must not be negative")
         if self.orbit_orderings < 1:
             raise ValueError("orbit_orderings must be at least 1")
+        if self.rope_kernel not in KERNELS:
+            raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
 
 
 @dataclass(frozen=True)

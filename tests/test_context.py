@@ -377,3 +377,9 @@ def test_adopting_kv_that_is_not_the_live_cache_s_next_tokens_rewrites_it(adapte
     torch.testing.assert_close(v, kv_c.v)
     torch.testing.assert_close(k, kv_c.place(cm.view()[2].start + cm.offset, adapter.spec)[0])
     assert adapter.cache_length(cm.cache()) == cm.tokens
+
+
+def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="rope_kernel"):
+        WindowConfig(rope_kernel="fastest")
+    assert WindowConfig().rope_kernel == "auto"

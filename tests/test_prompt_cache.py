@@ -195,3 +195,8 @@ def test_decode_stops_when_cancelled(llama: Any) -> None:
     out = decode(llama, prep.logits, prep.cache, prep.position, SamplingParams(max_tokens=50), cancel)
     assert out.finish_reason in ("cancelled", "stop")
     assert len(out.tokens) <= 1
+
+
+def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="rope_kernel"):
+        PromptCacheConfig(rope_kernel="fastest")

@@ -48,6 +48,7 @@ from cache.index import ContentIndex, RadixTree
 from cache.keys import Namespace, token_key
 from cache.layout import ChunkKV
 from cache.planner import Plan, Planner, PlannerConfig
+from cache.rope import KERNELS
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
 
 
@@ -178,6 +179,8 @@ class PromptCacheConfig:
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants) < 1:
             raise ValueError("prompt cache bounds must be positive")
+        if self.rope_kernel not in KERNELS:
+            raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
 
 
 class PromptUsage(NamedTuple):
