@@ -211,13 +211,31 @@ class _Job:
     """One rotation, checked and laid out for the C call; :meth:`run` does a slice of it."""
 
     def __init__(
-        self, lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+        self,
+        lib: ctypes.CDLL,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out: torch.Tensor,
+        rotary_dim: int,
     ) -> None:
-        n_tokens, half = x.shape[-2], cos.shape[-1]
+        # the C loop trusts every size and stride it is given: check them all here
+        if x.dim() < 2 or out.shape != x.shape:
+            raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must be one [..., T, D] shape")
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > x.shape[-1]:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and within the feature dim {x.shape[-1]}")
+        tensors = (x, cos, sin, out)
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+            raise ValueError("the native kernel takes CPU float32 tensors")
+        if x.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("x and out need a unit feature stride")
+        n_tokens, half = x.shape[-2], rotary_dim // 2
         c, s = _table(cos, n_tokens, half), _table(sin, n_tokens, half)
         x4, o4 = _as_4d(x), _as_4d(out)
         if c is None or s is None or x4 is None or o4 is None:
-            raise ValueError(f"unsupported layout: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+            raise ValueError(
+                f"unsupported layout: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+            )
         self.lib, self.x4, self.o4, self.c, self.s = lib, x4, o4, c, s
         self.ts = half if c.shape[0] == n_tokens and n_tokens > 1 else 0
         self.sizes = (x4.shape[0], x4.shape[1], n_tokens)
@@ -259,7 +277,7 @@ def rotate_many(
     for x, cos, sin, out in items:
         if x.stride(-1) != 1 or _as_4d(x) is None:
             x = x.contiguous()
-        jobs.append(_Job(lib, x, cos, sin, out))
+        jobs.append(_Job(lib, x, cos, sin, out, rotary_dim))
     total = sum(job.o4.numel() for job in jobs)
     stream = total >= STREAM_MIN_ELEMENTS
     threads = torch.get_num_threads()

@@ -197,3 +197,21 @@ def test_a_forked_child_gets_its_own_threads(monkeypatch: pytest.MonkeyPatch) ->
         assert queue.get(timeout=5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_sizes_the_c_loop_would_trust_are_checked_first() -> None:
+    x, out = torch.randn(2, 5, 64), torch.empty(2, 5, 64)
+    cos, sin = torch.randn(5, 32), torch.randn(5, 32)
+    native.rotate(x, cos, sin, 64, False, out)  # the right sizes
+    bad = [
+        (x, cos[:, :16], sin[:, :16], 64, out),  # a table narrower than rotary_dim / 2
+        (x, cos[:3], sin[:3], 64, out),  # fewer table rows than tokens
+        (x, cos, sin, 128, out),  # rotary_dim past the feature dim
+        (x, cos, sin, 63, out),  # an odd rotary_dim
+        (x, cos, sin, 64, torch.empty(2, 6, 64)),  # out of another shape
+        (x, cos.double(), sin.double(), 64, out),  # another dtype
+        (x, cos, sin, 64, torch.empty(2, 64, 5).transpose(1, 2)),  # out without unit feature stride
+    ]
+    for args in bad:
+        with pytest.raises(ValueError, match=r"layout|rotary_dim|shape|float32|stride"):
+            native.rotate(args[0], args[1], args[2], args[3], False, args[4])
