@@ -48,9 +48,12 @@ STREAM_MIN_ELEMENTS = 1 << 24
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # x, its 3 strides; out, its 3 strides; cos, sin, token stride; n0, n1, T, D, rotary_dim;
-# interleaved pairing; streaming stores
+# interleaved pairing; streaming stores; the cap on vector loops
 _ARGTYPES: list[Any] = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64]
-_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int]
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+# The widest vector loops the kernel may use: 0 the best this CPU has, 1 none with AVX-512,
+# 2 the compiler-vectorised plain loop only (for checking every path on one machine).
+VECTOR_LIMIT = 0
 
 
 class NativeKernelError(RuntimeError):
@@ -257,7 +260,7 @@ class _Job:
             x4.data_ptr() + xo, x4.stride(0), x4.stride(1), x4.stride(2),
             o4.data_ptr() + oo, o4.stride(0), o4.stride(1), o4.stride(2),
             self.c.data_ptr() + co, self.s.data_ptr() + co, self.ts,
-            part[0], part[1], part[2], x4.shape[-1], rotary_dim, int(interleaved), int(stream),
+            part[0], part[1], part[2], x4.shape[-1], rotary_dim, int(interleaved), int(stream), VECTOR_LIMIT,
         )  # fmt: skip
 
 

@@ -16,6 +16,8 @@
  * of the plain loop. stream != 0 asks for non-temporal stores where the AVX-512 loop runs and the
  * output rows are 64-byte aligned: a large rotation into a window buffer then writes its output
  * without first reading every destination line into the cache, the traffic a plain store costs.
+ * limit caps the vector loops (0: the best the CPU has, 1: none with AVX-512, 2: the plain loop
+ * only), so that every path can be checked on one machine.
  */
 #include <stdint.h>
 
@@ -119,21 +121,23 @@ void kamera_rotate_f32(const float *x, int64_t xs0, int64_t xs1, int64_t xs2,
                        float *out, int64_t os0, int64_t os1, int64_t os2,
                        const float *cs, const float *sn, int64_t ts,
                        int64_t n0, int64_t n1, int64_t n_tokens, int64_t dim, int64_t rd,
-                       int interleaved, int stream) {
+                       int interleaved, int stream, int limit) {
     const int64_t h = rd / 2;
 #ifdef KAMERA_X86
-    if (interleaved && rd == dim && h % 8 == 0 && __builtin_cpu_supports("avx512f")) {
+    const int avx512 = limit < 1 && __builtin_cpu_supports("avx512f");
+    const int avx2 = limit < 2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (interleaved && rd == dim && h % 8 == 0 && avx512) {
         rotate_interleaved_avx512(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
         return;
     }
     if (!interleaved && rd == dim) {
-        if (h % 16 == 0 && __builtin_cpu_supports("avx512f")) {
+        if (h % 16 == 0 && avx512) {
             const int aligned = (uintptr_t)out % 64 == 0 && os0 % 16 == 0 && os1 % 16 == 0 && os2 % 16 == 0;
             rotate_half_avx512(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h,
                                stream && aligned);
             return;
         }
-        if (h % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        if (h % 8 == 0 && avx2) {
             rotate_half_avx2(x, xs0, xs1, xs2, out, os0, os1, os2, cs, sn, ts, n0, n1, n_tokens, h);
             return;
         }

@@ -17,8 +17,10 @@ from tests.test_rope import SPECS, _positions, max_rel, reference_rotate
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
 
+@pytest.mark.parametrize("limit", [0, 1, 2])  # every vector loop this CPU has, then fewer
 @pytest.mark.parametrize("name", list(SPECS))
-def test_native_matches_reference_and_eager(name: str) -> None:
+def test_native_matches_reference_and_eager(name: str, limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "VECTOR_LIMIT", limit)
     spec = SPECS[name]
     x = torch.randn(3, 2, 37, 64)
     pos = _positions(spec, 37, 1000)
