@@ -46,7 +46,7 @@ from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
 from cache.keys import Namespace, token_key
-from cache.layout import ChunkKV
+from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
@@ -280,7 +280,7 @@ class PromptCache:
         steps, lost = self._steps(prompt, plan)
         split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
         spec, kernel = self.adapter.spec, self.config.rope_kernel
-        placed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        placed: list[tuple[ChunkKV, int]] = []  # reused or prefilled chunks and their starts
         chunks: list[tuple[int, int, ChunkKV]] = []
         cache: Any = None
         logits: torch.Tensor | None = None
@@ -291,7 +291,7 @@ class PromptCache:
             start = int(prompt.pos_off[step.start])
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
             if step.kv is not None:
-                placed.append(step.kv.place(start, spec, kernel))
+                placed.append((step.kv, start))
                 chunks.append((step.start, step.end, step.kv))
                 counts["prefix" if step.prefix else "relocated"] += n_tok
                 counts["rotated"] += n_tok if step.delta else 0
@@ -303,7 +303,11 @@ class PromptCache:
                 j += 1
             a, b = step.start, steps[j].end
             if cache is None:
-                cache = self.adapter.assemble(placed)
+                cache = (
+                    self.adapter.cache_from(*place_window(placed, spec, kernel))
+                    if placed
+                    else self.adapter.empty_cache()
+                )
             parts, pos = [], start
             for inp in prompt.inputs_between(a, b):
                 out = self.adapter.prefill(inp, cache, pos)
@@ -320,7 +324,7 @@ class PromptCache:
                 kv = slice_kv(run, t0, t1, p0, extent)
                 chunks.append((s.start, s.end, kv))
                 if j + 1 < len(steps):  # reused chunks follow: the cache will be rebuilt
-                    placed.append(kv.place(int(prompt.pos_off[s.start]), spec, kernel))
+                    placed.append((kv, int(prompt.pos_off[s.start])))
             i = j + 1
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
