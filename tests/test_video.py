@@ -153,7 +153,9 @@ def test_peak_rss_flat_on_long_video(videos: dict[str, Path]) -> None:
     # ... and the peak resident set while streaming the 10-minute video stays within 20% of the
     # 1-minute one (the growth itself is a few MiB of allocator noise against ~350 MiB kept).
     assert long["peak_kib"] <= 1.2 * short["peak_kib"], (short, long)
-    assert long["growth_kib"] < hoard["growth_kib"] / 20
+    # streaming keeps no frames: its growth is allocator noise, seen up to 7 MiB (about 22
+    # frames' worth) on a busy machine; keeping every frame grows by 300 frames' worth
+    assert long["growth_kib"] < 60 * frame_kib, (long, hoard)
     assert long["maxrss_growth_kib"] <= 1.2 * short["maxrss_growth_kib"] + 4 * frame_kib, (short, long)
 
 
