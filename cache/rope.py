@@ -344,11 +344,15 @@ def _rotate_native(
     return native.rotate(x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved", out)
 
 
+def _native_applies(x: torch.Tensor, cos: torch.Tensor, out: torch.Tensor | None) -> bool:
+    return native.supports(x, cos, out) and native.library() is not None
+
+
 def _rotate_auto(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The native pass where it applies and is built on this machine, the eager ops elsewhere."""
-    if native.supports(x, cos, out) and native.library() is not None:
+    if _native_applies(x, cos, out):
         return native.rotate(x, cos, sin, spec.rotary_dim, spec.pairing == "interleaved", out)
     return _rotate_eager(x, cos, sin, spec, out)
 
@@ -437,16 +441,13 @@ def rotate_many(
     rotates many chunks at once); otherwise one :func:`rotate` after another.
     """
     tables = [_placed_tables(x, positions, spec) for x, positions, _ in items]
-    if kernel in ("auto", "native") and items:
-        ok = all(
-            x.dtype == torch.float32 and x.shape == out.shape and native.supports(x, cos, out)
-            for (x, _, out), (cos, _) in zip(items, tables, strict=True)
-        )
-        if ok and (kernel == "native" or native.library() is not None):
-            batch = [(x, cos, sin, out) for (x, _, out), (cos, sin) in zip(items, tables, strict=True)]
-            native.rotate_many(batch, spec.rotary_dim, spec.pairing == "interleaved")
-            return
-    for (x, _, out), (cos, sin) in zip(items, tables, strict=True):
+    pairs = list(zip(items, tables, strict=True))
+    takes = native.supports if kernel == "native" else _native_applies  # native: missing build raises
+    if kernel in ("auto", "native") and pairs and all(takes(x, cos, out) for (x, _, out), (cos, _) in pairs):
+        batch = [(x, cos, sin, out) for (x, _, out), (cos, sin) in pairs]
+        native.rotate_many(batch, spec.rotary_dim, spec.pairing == "interleaved")
+        return
+    for (x, _, out), (cos, sin) in pairs:
         apply_rotation(x, cos, sin, spec, kernel, out)
 
 
