@@ -107,6 +107,17 @@ def test_an_appended_conversation_reuses_exactly_in_every_mode(llama: Any) -> No
             assert torch.equal(warm.logits, reference.logits)
 
 
+def test_the_exact_prefix_is_found_by_its_keys_without_the_indexes(llama: Any) -> None:
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Restart"))
+    pc.commit(pc.prepare(prompt))
+    later = PromptCache(llama, pc.store, CONFIG)  # a restarted server, or a replica, on the same store
+    warm = later.prepare(prompt, mode="exact")
+    assert warm.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
+    assert torch.equal(warm.logits, later.prepare(prompt, "reference").logits)
+    assert later.prepare(prompt, "another tenant").usage.cached_tokens == 0
+
+
 def test_prefix_hits_never_come_from_an_approximate_record(llama: Any) -> None:
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))

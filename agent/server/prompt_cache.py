@@ -346,8 +346,8 @@ class PromptCache:
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         cuts = prompt.cuts(self.config.block_tokens)
-        steps, lost = self._steps(prompt, plan, cuts, mode)
         ctx = _Context(self, prompt, planner.namespace, cuts)
+        steps, lost = self._steps(prompt, plan, ctx, mode)
         counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired"), 0)
         pending: list[tuple[ChunkKV, int]] = []  # reused chunks not yet in the model cache
         repair: list[tuple[int, int]] = []  # reused unit spans to repair
@@ -428,20 +428,34 @@ class PromptCache:
         return self.adapter.recompute_into(cache, ids, positions, DeviationSelection(ratio, candidates))
 
     def _steps(
-        self, prompt: Prompt, plan: Plan, cuts: np.ndarray, mode: ReuseMode
+        self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode
     ) -> tuple[list[_Step], int]:
-        """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge,
-        then what ``mode`` reuses by content; misses merged; the last unit always a miss."""
-        n_units = len(prompt.units)
+        """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
+        (and carried on by the keys of the segments after it, which the store may hold from
+        before a restart or from another process), then what ``mode`` reuses by content;
+        misses merged; the last unit always a miss."""
+        n_units, cuts = len(prompt.units), ctx.cuts
         segments = [(at, seg) for at, seg in _offsets(plan.prefix) if isinstance(seg.payload, Record)]
         limit = min(plan.prefix_len, n_units - 1)
         kv, refs, got = self._fetch_prefix(segments, 0, limit)
-        edge = int(cuts[np.searchsorted(cuts, got, side="right") - 1])
+        edge = _cut_back(cuts, got)
         lost = int(got < limit and _cut_back(cuts, limit) > edge)
+        parts = [kv.sliced(0, int(prompt.tok_off[edge]), 0, int(prompt.pos_off[edge]))] if edge and kv else []
+        rows = list(_clip(refs, edge)) if parts else []
+        edge = edge if parts else 0
+        for a, b in ctx.segments(edge, n_units - 1):
+            if b != _cut_back(cuts, b):  # the segment ending before the last unit is not whole
+                break
+            key = ctx.store_key(a, b, exact=True)
+            found = self._entry_kv(key) if key in self.store else None
+            if found is None or found.placed_at != int(prompt.pos_off[a]) or not _fits(prompt, a, b, found):
+                break
+            parts.append(found)
+            rows.append(TableRow(a, b, key, 0, 0))
+            edge = b
         steps: list[_Step] = []
-        if edge > 0 and kv is not None:
-            kv = kv.sliced(0, int(prompt.tok_off[edge]), 0, int(prompt.pos_off[edge]))
-            steps.append(_Step(0, edge, kv, _clip(refs, edge), 0, True))
+        if edge > 0:
+            steps.append(_Step(0, edge, concat_kv(parts), tuple(rows), 0, True))
         for c in plan.chunks:
             s, e = max(c.start, edge), min(c.end, n_units)
             if s >= e:
