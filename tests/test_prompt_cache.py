@@ -118,6 +118,17 @@ def test_the_exact_prefix_is_found_by_its_keys_without_the_indexes(llama: Any) -
     assert later.prepare(prompt, "another tenant").usage.cached_tokens == 0
 
 
+def test_moved_content_is_found_by_its_alias_without_the_indexes(llama: Any) -> None:
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    later = PromptCache(llama, pc.store, CONFIG)  # another replica on the same store
+    moved = prompt_of(later, chat("Now: a much longer first line, which shifts all that follows"))
+    warm = later.prepare(moved, mode="fast")
+    assert warm.usage.relocated_tokens > 0.5 * len(DOC)
+    assert later.prepare(moved, mode="exact").usage.relocated_tokens == 0
+    assert PromptCache(llama, pc.store, CONFIG).prepare(moved, "other", mode="fast").usage.cached_tokens == 0
+
+
 def test_prefix_hits_never_come_from_an_approximate_record(llama: Any) -> None:
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))

@@ -427,9 +427,7 @@ class PromptCache:
         positions = torch.arange(n, dtype=torch.int64)
         return self.adapter.recompute_into(cache, ids, positions, DeviationSelection(ratio, candidates))
 
-    def _steps(
-        self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode
-    ) -> tuple[list[_Step], int]:
+    def _steps(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> tuple[list[_Step], int]:
         """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
         (and carried on by the keys of the segments after it, which the store may hold from
         before a restart or from another process), then what ``mode`` reuses by content;
@@ -460,23 +458,28 @@ class PromptCache:
             s, e = max(c.start, edge), min(c.end, n_units)
             if s >= e:
                 continue
-            if mode == "exact" or c.status != "relocated-hit" or c.source_start is None:
-                steps.append(_Step(s, e, None, (), 0, False))
-                continue
             if e == n_units:
                 e -= 1
             big = prompt.tok_off[e] - prompt.tok_off[s] >= self.config.min_reuse_tokens
-            reused = None
-            if e > s and (mode == "fast" or big) and isinstance(c.payload, Record):
+            if mode == "exact" or e <= s or not (mode == "fast" or big) or c.status == "prefix-hit":
+                steps.append(_Step(s, c.end, None, (), 0, False))
+                continue
+            reused, delta = None, 0
+            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
                 src = c.source_start + s - c.start
                 reused = self._fetch(c.payload, src, src + e - s, s - src, int(prompt.pos_off[s]))
-                if reused is not None and not _fits(prompt, s, e, reused[0]):
-                    reused = None
+                delta = c.start - c.source_start
                 lost += int(reused is None)
+            elif s == c.start:  # not in the indexes: the store may hold it from another process
+                alias = self._alias(ctx, c.start, c.end)
+                if alias is not None:
+                    reused = self._fetch(alias, 0, e - s, s, int(prompt.pos_off[s]))
+            if reused is not None and not _fits(prompt, s, e, reused[0]):
+                reused = None
             if reused is None:
                 steps.append(_Step(s, c.end, None, (), 0, False))
                 continue
-            steps.append(_Step(s, e, reused[0], reused[1], s - (c.source_start + s - c.start), False))
+            steps.append(_Step(s, e, reused[0], reused[1], delta, False))
             if e < c.end:
                 steps.append(_Step(e, c.end, None, (), 0, False))
         return _merge_misses(steps), lost
@@ -551,6 +554,24 @@ class PromptCache:
             offset += kv.extent
         return concat_kv(out)
 
+    def _alias(self, ctx: _Context, a: int, b: int) -> Record | None:
+        """The stored alias of units [a, b) by their content alone: where some prompt, in this
+        process or another, keeps their KV (computed after its own antecedents)."""
+        entry = self.store.get(record_key(ctx.content_key(a, b).hex, "alias"))
+        if entry is None:
+            return None
+        meta = entry.meta
+        try:
+            table = tuple(
+                TableRow(int(r[0]), int(r[1]), str(r[2]), int(r[3]), int(r[4])) for r in meta["rows"]
+            )
+            tok, pos = np.asarray(meta["tok_off"], np.int64), np.asarray(meta["pos_off"], np.int64)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        if len(tok) != b - a + 1 or len(pos) != b - a + 1:
+            return None
+        return Record(table, tok, pos, 0)
+
     def _entry_kv(self, key: str) -> ChunkKV | None:
         entry = self.store.get(key)
         if entry is None:
@@ -593,11 +614,48 @@ class PromptCache:
         record = Record(
             tuple(row for row, _ in prepared.rows), prompt.tok_off, prompt.pos_off, prepared.exact_units
         )
+        written += self._write_aliases(prepared, record)
         prepared.planner.commit(prepared.plan, prompt.units, record, prefix_len=prepared.exact_units)
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:
             self.radix.evict(excess)
         prepared.rows = []  # the tensors now live in the store (or were refused)
+        return written
+
+    def _write_aliases(self, prepared: Prepared, record: Record) -> int:
+        """An alias entry per chunk large enough to be reused by content (no tensors: the rows
+        of ``record`` that hold it), so another process finds it by its content key."""
+        ctx = _Context(self, prepared.prompt, prepared.planner.namespace, np.zeros(1, np.int64))
+        written = 0
+        for c in prepared.plan.chunks:
+            a, b = c.start, c.end
+            if (
+                c.status == "relocated-hit"
+                or record.tok_off[b] - record.tok_off[a] < self.config.min_reuse_tokens
+            ):
+                continue
+            key = record_key(ctx.content_key(a, b).hex, "alias")
+            if key in self.store:
+                continue
+            rows = [
+                [
+                    max(r.start, a) - a,
+                    min(r.end, b) - a,
+                    r.key,
+                    r.token + int(record.tok_off[max(r.start, a)] - record.tok_off[r.start]),
+                    r.position + int(record.pos_off[max(r.start, a)] - record.pos_off[r.start]),
+                ]
+                for r in record.table
+                if r.end > a and r.start < b
+            ]
+            meta = {
+                "rows": rows,
+                "tok_off": (record.tok_off[a : b + 1] - record.tok_off[a]).tolist(),
+                "pos_off": (record.pos_off[a : b + 1] - record.pos_off[a]).tolist(),
+            }
+            with contextlib.suppress(EntryTooLargeError, TierFullError):
+                self.store.put(key, Entry({}, meta))
+                written += 1
         return written
 
 
@@ -615,6 +673,10 @@ class _Context:
 
     def _span(self, a: int, b: int) -> ContentKey:
         return span_key(self.namespace, self.prompt.key_parts(a, b))
+
+    def content_key(self, a: int, b: int) -> ContentKey:
+        """Key of units [a, b) by their content alone (images by content key)."""
+        return self._span(a, b)
 
     def context(self, a: int) -> ContentKey | None:
         """Key of units [0, a): chained over the segment edges, so it depends on content only."""
