@@ -25,7 +25,11 @@ same KV at the same positions, so it is exact. Content keys carry the tenant's s
 
 Every prompt is committed as a :class:`Record` (its chunk table: unit span -> store key), the
 payload the radix tree and content index point at. A reused chunk whose store entry was
-evicted becomes a miss and is prefilled and stored again.
+evicted becomes a miss and is prefilled and stored again. Each entry certifies the tokens it was
+computed for (:meth:`PromptCache.fingerprint`, images by content key), and every read asks the
+store for exactly those: an entry found under the wrong key is refused and prefilled instead. A
+chunk the indexes do not know but the store holds (written before a restart, or by another
+process on a shared disk tier) is found by its key and reused like a relocated hit.
 
 Not here: patches for relocated chunks, sampling (``generation.py``), threads (``runtime.py``).
 """
@@ -33,6 +37,7 @@ Not here: patches for relocated chunks, sampling (``generation.py``), threads (`
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,7 +50,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
-from cache.keys import Namespace, token_key
+from cache.keys import Namespace, token_bytes, token_key
 from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
@@ -157,11 +162,12 @@ def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
 
 @dataclass(eq=False)
 class Record:
-    """A committed prompt: its chunks (unit span, store key) and unit offsets."""
+    """A committed prompt: its chunks (unit span, store key), unit offsets and units."""
 
     chunks: tuple[tuple[int, int, str], ...]
     tok_off: np.ndarray
     pos_off: np.ndarray
+    units: np.ndarray  # what each entry must certify (see PromptCache.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,7 @@ class PromptCache:
         size = int(getattr(vocab, "num_embeddings", 1 << 20))
         self._image_base = 1 << max(16, size.bit_length())
         self._image_ids: dict[str, int] = {}
+        self._image_keys: dict[int, str] = {}
 
     def image_unit(self, content_key: str) -> int:
         """The planning id of an image: one per distinct content key, never reused."""
@@ -244,7 +251,17 @@ class PromptCache:
                 self.reset()
             unit = self._image_base + len(self._image_ids)
             self._image_ids[content_key] = unit
+            self._image_keys[unit] = content_key
         return unit
+
+    def fingerprint(self, units: np.ndarray) -> str:
+        """What a stored chunk of ``units`` [n] certifies: its token ids and, for each image, its
+        content key (image ids are interned per process, so two processes sharing a disk tier, or
+        one restarted, may give one id to two different images)."""
+        h = hashlib.blake2b(token_bytes(units), digest_size=16, person=b"kamera-entry")
+        for unit in units[units >= self._image_base]:
+            h.update(self._image_keys[int(unit)].encode())
+        return h.hexdigest()
 
     def reset(self) -> None:
         """Empty the indexes (store entries stay until evicted, unreachable)."""
@@ -252,6 +269,7 @@ class PromptCache:
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners.clear()
         self._image_ids.clear()
+        self._image_keys.clear()
 
     def namespace(self, tenant_salt: str) -> Namespace:
         info = self.adapter.info
@@ -276,7 +294,7 @@ class PromptCache:
             raise ValueError("empty prompt")
         planner = self.planner(tenant_salt)
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
-        plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
+        plan = self._from_store(planner.plan(prompt.units, prompt.piece_unit.tolist()), prompt)
         steps, lost = self._steps(prompt, plan)
         split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
         spec, kernel = self.adapter.spec, self.config.rope_kernel
@@ -367,6 +385,26 @@ class PromptCache:
             steps.append(_Step(s, e, kv, delta, status == "prefix-hit"))
         return steps, lost
 
+    def _from_store(self, plan: Plan, prompt: Prompt) -> Plan:
+        """``plan`` with each miss the store holds (by its key) turned into a relocated hit on a
+        record of this prompt: chunks written before a restart or by another process."""
+        found = [
+            (c.start, c.end, record_key(c.key.hex, "conditioned"))
+            for c in plan.chunks
+            if c.status == "miss" and record_key(c.key.hex, "conditioned") in self.store
+        ]
+        if not found:
+            return plan
+        rec = Record(tuple(found), prompt.tok_off, prompt.pos_off, prompt.units)
+        spans = {(s, e) for s, e, _ in found}
+        chunks = tuple(
+            c._replace(status="relocated-hit", source_start=c.start, payload=rec)
+            if c.status == "miss" and (c.start, c.end) in spans
+            else c
+            for c in plan.chunks
+        )
+        return plan._replace(chunks=chunks)
+
     @staticmethod
     def _prefix_map(plan: Plan) -> list[tuple[int, int, Record, int]]:
         out, at = [], 0
@@ -395,7 +433,7 @@ class PromptCache:
         for cs, ce, key in rec.chunks:
             if ce <= a or cs >= b:
                 continue
-            entry = self.store.get(key)
+            entry = self.store.get(key, self.fingerprint(rec.units[cs:ce]))
             if entry is None:
                 return None
             t = entry.tensors
@@ -432,11 +470,12 @@ class PromptCache:
             entry = Entry(
                 {"k": kv.k, "v": kv.v, "positions": kv.positions},
                 {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family},
+                tokens=self.fingerprint(units[s:e]),
             )
             with contextlib.suppress(EntryTooLargeError, TierFullError):
                 self.store.put(key, entry)
                 written += 1
-        record = Record(tuple(table), prepared.prompt.tok_off, prepared.prompt.pos_off)
+        record = Record(tuple(table), prepared.prompt.tok_off, prepared.prompt.pos_off, units)
         prepared.planner.commit(prepared.plan, units, record)
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:

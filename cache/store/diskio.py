@@ -42,8 +42,12 @@ class DiskRecord:
 
 
 def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write `data` to `path` through a temporary file and `os.replace`; fsync when `durable`."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+    """Write `data` to `path` through a temporary file and `os.replace`; fsync when `durable`.
+
+    The temporary file, `.<name>.<pid>.<random>.tmp`, names its writer, so recovery can tell a
+    dead writer's leftovers from a live one's work (`writer_alive`).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -60,6 +64,23 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def writer_alive(temp_name: str) -> bool:
+    """Whether the process that named temporary file `temp_name` may still be writing it."""
+    try:
+        pid = int(temp_name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -8,8 +8,8 @@
 - an entry file no record names (a writer died before publishing, the index was lost or
   corrupted) is re-indexed under the key its own bytes certify, unless that key already has a
   file or the bytes do not decode (damaged, an older format), in which case it is removed;
-- a temporary file older than `temp_grace_s` (a writer died mid-write) is removed; younger ones
-  may belong to a live writer in another process and are left;
+- a temporary file whose writer is dead (its pid is in the name), or older than `temp_grace_s`
+  (a pid reused since), is removed; a live writer's is left;
 - then, with a `budget`, the least recently used entries (file mtimes, which every process's
   hits touch) are evicted until the rest fit.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .codec import CorruptEntryError, decode_entry
-from .diskio import ENTRY_SUFFIX, TEMP_SUFFIX, DiskRecord, load_index, locked, write_index
+from .diskio import ENTRY_SUFFIX, TEMP_SUFFIX, DiskRecord, load_index, locked, write_index, writer_alive
 from .entry import MisfiledEntryError
 from .policies import DEFAULT_POLICY, make_policy
 
@@ -113,7 +113,7 @@ def scan(
             if name in named:
                 continue
             if name.endswith(TEMP_SUFFIX):
-                if path.stat().st_mtime < cutoff:
+                if not writer_alive(name) or path.stat().st_mtime < cutoff:
                     report.problems.append(f"{name}: temporary file of a dead writer; removed")
                     _remove(path, repair, report)
                 continue
@@ -136,6 +136,10 @@ def scan(
             report.problems.append(f"{name}: unindexed; re-indexed as {key!r}")
             report.reindexed += 1
             changed = repair
+        for path in root.glob(f".index.json.*{TEMP_SUFFIX}"):  # a dead writer's index
+            if not writer_alive(path.name) or path.stat().st_mtime < cutoff:
+                report.problems.append(f"{path.name}: temporary index of a dead writer; removed")
+                _remove(path, repair, report)
         held = sum(r.size for r in records.values())
         if budget is not None and held > budget:
             report.problems.append(f"{held} bytes indexed, over the budget of {budget}; evicting")
