@@ -152,23 +152,49 @@ class DiskTier(Tier):
 
     def commit(self, staged: Staged, arrived: Arrival) -> None:
         """Publish a staged file under its key, evicting to make room; TierFullError if pins forbid."""
-        key, record = staged
+        self._publish_staged([staged], arrived, replace=True, strict=True)
+
+    def commit_new(self, batch: list[Staged], arrived: Arrival) -> int:
+        """Publish staged files in one index update, each only if its key has no file yet (another
+        process may have written it meanwhile) and there is room; discard the rest. How many."""
+        return self._publish_staged(batch, arrived, replace=False, strict=False)
+
+    def _publish_staged(self, batch: list[Staged], arrived: Arrival, *, replace: bool, strict: bool) -> int:
         doomed: list[str] = []
+        published: list[Staged] = []
         try:
             with locked(self._lock_path):
                 self._refresh(force=True)
-                self._make_room(key, record.size, doomed)
-                previous = self._index.pop(key, None)
-                if previous is not None and previous.file != record.file:  # recovery may have indexed ours
-                    doomed.append(previous.file)
-                self._index[key] = record
+                for staged in batch:
+                    key, record = staged
+                    previous = self._index.get(key)
+                    if previous is not None and previous.file != record.file and not replace:
+                        doomed.append(record.file)  # same key, same content: keep theirs
+                        continue
+                    try:
+                        self._make_room(key, record.size, doomed)
+                    except TierFullError:
+                        if strict:
+                            raise
+                        doomed.append(record.file)
+                        continue
+                    previous = self._index.pop(key, None)
+                    if (
+                        previous is not None and previous.file != record.file
+                    ):  # recovery may have indexed ours
+                        doomed.append(previous.file)
+                    self._index[key] = record
+                    published.append(staged)
                 self._publish()
         except BaseException:
-            self.discard(staged)
+            for staged in batch:
+                self.discard(staged)
             raise
         for name in doomed:  # after publishing: a reader of the old index gets a miss, not a half file
             (self._files / name).unlink(missing_ok=True)
-        self._count_arrival(arrived, record.size)
+        for staged in published:
+            self._count_arrival(arrived, staged.record.size)
+        return len(published)
 
     def discard(self, staged: Staged) -> None:
         """Delete a staged file that will not be committed."""

@@ -337,31 +337,33 @@ class TieredStore:
         else:
             self._writes_dropped += 1
 
-    def _write_behind(self, key: str, entry: Entry) -> None:
-        """One background write: the file outside the lock, the index under it (writer thread)."""
+    def _write_behind(self, batch: list[tuple[str, Entry]]) -> None:
+        """Background writes: the files outside the lock, one index update under it (writer thread)."""
         disk = self._disk
         if disk is None:
             return
         with self._lock:
-            if key in disk:
-                return
-        try:
-            staged = disk.stage(key, entry)
-        except (EntryTooLargeError, OSError):
-            with self._lock:
-                self._writes_dropped += 1
+            todo = [(key, entry) for key, entry in batch if key not in disk]
+        staged = []
+        for key, entry in todo:
+            try:
+                staged.append(disk.stage(key, entry))
+            except (EntryTooLargeError, OSError):
+                with self._lock:
+                    self._writes_dropped += 1
+        if not staged:
             return
         with self._lock:
-            if key in disk:
-                disk.discard(staged)
-                return
             try:
-                disk.commit(staged, "put")
-            except (TierFullError, OSError):
-                self._writes_dropped += 1
+                self._writes_dropped += len(staged) - disk.commit_new(staged, "put")
+            except OSError:
+                self._writes_dropped += len(staged)
 
     def _memory_tier(self, name: str) -> MemoryTier:
         return next(t for t in self._memory if t.name == name)
+
+
+_BATCH = 64  # queued writes published in one index update
 
 
 class _Writer:
@@ -395,10 +397,16 @@ class _Writer:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH and batch[-1] is not None:  # what waits now: one index update
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is None:
-                    return
-                self._store._write_behind(*item)
+                self._store._write_behind([item for item in batch if item is not None])
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if batch[-1] is None:
+                return
