@@ -51,7 +51,7 @@ def _digest(key: str, tokens: str, meta_json: str, tensors: dict[str, torch.Tens
         h.update(struct.pack("<Q", len(head)) + head)
         flat = t.detach().cpu().contiguous().reshape(-1)
         if flat.numel():
-            h.update(memoryview(flat.view(torch.uint8).numpy()))
+            h.update(flat.view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
