@@ -100,6 +100,7 @@ def build_config(args: argparse.Namespace) -> Any:
             disk_bytes=args.disk_bytes,
             disk_path=args.disk_path,
             policy=args.store_policy,
+            write_through=args.disk_path is not None,  # in the background; a restart finds every chunk
         ),
         prompt_cache=PromptCacheConfig(mode=args.reuse_mode),
         media=MediaPolicy(

@@ -18,7 +18,17 @@ from prometheus_client.registry import Collector
 from agent.server.runtime import Runtime
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-STORE_COUNTERS = ("hits", "misses", "bytes_written", "bytes_read", "evictions", "promotions", "demotions")
+STORE_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_written",
+    "bytes_read",
+    "evictions",
+    "promotions",
+    "demotions",
+    "corrupt_dropped",
+    "misfiled",
+)
 
 
 class RuntimeCollector(Collector):
@@ -46,6 +56,15 @@ class RuntimeCollector(Collector):
         yield in_use
         yield budget
         yield entries
+        writes = CounterMetricFamily(
+            "kamera_store_background_writes",
+            "Disk writes handed to the background writer",
+            labels=["outcome"],
+        )
+        writes.add_metric(["queued"], stats.writes_queued)
+        writes.add_metric(["dropped"], stats.writes_dropped)
+        yield writes
+        yield GaugeMetricFamily("kamera_store_write_queue", "Disk writes waiting", value=stats.write_queue)
         yield CounterMetricFamily(
             "kamera_vision_encoder_calls",
             "Vision encoder runs (one per image not already encoded)",

@@ -43,6 +43,7 @@ Not here: sampling (``generation.py``), threads (``runtime.py``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import time
 from collections import OrderedDict
@@ -56,7 +57,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
-from cache.keys import ContentKey, Namespace, chain_key, span_key
+from cache.keys import ContentKey, Namespace, chain_key, span_key, token_bytes
 from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
@@ -188,13 +189,15 @@ def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
 
 class TableRow(NamedTuple):
     """Units [start, end) of a record are the entry at ``key``'s tokens from ``token``, whose
-    positions there count from ``position``."""
+    positions there count from ``position``; ``tokens``: what the whole entry certifies (the
+    fingerprint of the units it was computed for, :meth:`_Context.fingerprint`)."""
 
     start: int
     end: int
     key: str
     token: int
     position: int
+    tokens: str
 
 
 @dataclass(eq=False)
@@ -376,7 +379,8 @@ class PromptCache:
                 (inp,) = prompt.inputs_between(a, b)
                 last = b == len(prompt.units)
                 out = self.adapter.prefill(inp, cache, int(prompt.pos_off[a]), placed=True, last_only=last)
-                rows.append((TableRow(a, b, ctx.store_key(a, b, exact), 0, 0), out.kv))
+                row = TableRow(a, b, ctx.store_key(a, b, exact), 0, 0, ctx.fingerprint(a, b))
+                rows.append((row, out.kv))
                 counts["prefilled"] += out.kv.n_tokens
                 if last:
                     logits = out.logits[-1]
@@ -445,11 +449,12 @@ class PromptCache:
             if b != _cut_back(cuts, b):  # the segment ending before the last unit is not whole
                 break
             key = ctx.store_key(a, b, exact=True)
-            found = self._entry_kv(key) if key in self.store else None
+            tokens = ctx.fingerprint(a, b)
+            found = self._entry_kv(key, tokens) if key in self.store else None
             if found is None or found.placed_at != int(prompt.pos_off[a]) or not _fits(prompt, a, b, found):
                 break
             parts.append(found)
-            rows.append(TableRow(a, b, key, 0, 0))
+            rows.append(TableRow(a, b, key, 0, 0, tokens))
             edge = b
         steps: list[_Step] = []
         if edge > 0:
@@ -521,7 +526,7 @@ class PromptCache:
             if row.end <= a or row.start >= b:
                 continue
             lo, hi = max(a, row.start), min(b, row.end)
-            kv = self._entry_kv(row.key)
+            kv = self._entry_kv(row.key, row.tokens)
             t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
             t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
             if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
@@ -530,7 +535,7 @@ class PromptCache:
                 return None
             p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
             parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
-            refs.append(TableRow(lo + shift, hi + shift, row.key, t0, p0))
+            refs.append(TableRow(lo + shift, hi + shift, row.key, t0, p0, row.tokens))
         if not parts or (not partial and refs[-1].end - shift != b) or refs[0].start - shift != a:
             return None
         return self._join(parts, at), tuple(refs)
@@ -557,13 +562,14 @@ class PromptCache:
     def _alias(self, ctx: _Context, a: int, b: int) -> Record | None:
         """The stored alias of units [a, b) by their content alone: where some prompt, in this
         process or another, keeps their KV (computed after its own antecedents)."""
-        entry = self.store.get(record_key(ctx.content_key(a, b).hex, "alias"))
+        entry = self.store.get(record_key(ctx.content_key(a, b).hex, "alias"), ctx.fingerprint(a, b))
         if entry is None:
             return None
         meta = entry.meta
         try:
             table = tuple(
-                TableRow(int(r[0]), int(r[1]), str(r[2]), int(r[3]), int(r[4])) for r in meta["rows"]
+                TableRow(int(r[0]), int(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5]))
+                for r in meta["rows"]
             )
             tok, pos = np.asarray(meta["tok_off"], np.int64), np.asarray(meta["pos_off"], np.int64)
         except (KeyError, TypeError, ValueError, IndexError):
@@ -572,8 +578,9 @@ class PromptCache:
             return None
         return Record(table, tok, pos, 0)
 
-    def _entry_kv(self, key: str) -> ChunkKV | None:
-        entry = self.store.get(key)
+    def _entry_kv(self, key: str, tokens: str) -> ChunkKV | None:
+        """The KV filed under ``key``, if the store has it and it certifies ``tokens``."""
+        entry = self.store.get(key, tokens)
         if entry is None:
             return None
         t, meta = entry.tensors, entry.meta
@@ -606,6 +613,7 @@ class PromptCache:
                     "family": kv.family,
                     "placed_at": kv.placed_at,
                 },
+                tokens=row.tokens,
             )
             with contextlib.suppress(EntryTooLargeError, TierFullError):
                 self.store.put(row.key, entry)
@@ -644,6 +652,7 @@ class PromptCache:
                     r.key,
                     r.token + int(record.tok_off[max(r.start, a)] - record.tok_off[r.start]),
                     r.position + int(record.pos_off[max(r.start, a)] - record.pos_off[r.start]),
+                    r.tokens,
                 ]
                 for r in record.table
                 if r.end > a and r.start < b
@@ -654,7 +663,7 @@ class PromptCache:
                 "pos_off": (record.pos_off[a : b + 1] - record.pos_off[a]).tolist(),
             }
             with contextlib.suppress(EntryTooLargeError, TierFullError):
-                self.store.put(key, Entry({}, meta))
+                self.store.put(key, Entry({}, meta, tokens=ctx.fingerprint(a, b)))
                 written += 1
         return written
 
@@ -673,6 +682,13 @@ class _Context:
 
     def _span(self, a: int, b: int) -> ContentKey:
         return span_key(self.namespace, self.prompt.key_parts(a, b))
+
+    def fingerprint(self, a: int, b: int) -> str:
+        """What an entry of units [a, b) certifies: their token ids and images' content keys."""
+        h = hashlib.blake2b(digest_size=16, person=b"kamera-entry")
+        for part in self.prompt.key_parts(a, b):
+            h.update(b"i" + part.encode() if isinstance(part, str) else b"t" + token_bytes(part))
+        return h.hexdigest()
 
     def content_key(self, a: int, b: int) -> ContentKey:
         """Key of units [a, b) by their content alone (images by content key)."""

@@ -184,13 +184,15 @@ class Runtime:
         return True, "ok"
 
     def drain(self, timeout_s: float) -> bool:
-        """Refuse new work, wait up to ``timeout_s`` for admitted jobs; whether they all finished."""
+        """Refuse new work, wait up to ``timeout_s`` for admitted jobs, then flush the store to its
+        disk tier (so a restart finds what memory held); whether the jobs all finished."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
         while self.worker.pending and time.monotonic() < deadline:
             time.sleep(0.05)
         finished = self.worker.pending == 0
         self.worker.shutdown()
+        self.store.close()
         return finished
 
     def tenant_salt(self, tenant: str, cache_salt: str | None) -> str:

@@ -2,7 +2,10 @@
 
 Memory tiers (device, host) are exclusive: a key lives in at most one of them. The disk tier is
 inclusive: a disk hit is copied up and the file stays, and with `write_through` every put also
-lands on disk, which is how processes sharing the directory see each other's entries.
+lands on disk, which is how processes sharing the directory see each other's entries and how a
+restarted process finds them. With a `write_queue`, those disk writes (and demotions to disk) go
+through a bounded queue to one background thread, never on the caller's path; a full queue
+drops the write (counted), and `flush`/`close` drain it and write what memory still holds.
 
     put:  the entry goes to the fastest tier whose budget can hold it; what that tier evicts is
           demoted to the next tier, and so on; disk evictions are final.
@@ -10,13 +13,20 @@ lands on disk, which is how processes sharing the directory see each other's ent
           can take it (moved from host, copied from disk).
     pin:  a pinned key is never evicted nor demoted, in any tier, until unpinned.
 
-One re-entrant lock serialises every call, disk I/O included. This module does not hash content,
-verify token ids on a hit, prefetch, or talk to a networked tier.
+Every entry is sealed with its key on put, and every hit, from any tier, is certified against the
+key it was looked up by and the caller's token fingerprint (`entry.certify`): an entry that names
+another key or other tokens is dropped from its tier, counted in `misfiled`, and the lookup goes
+on to the next tier as if it had missed.
+
+One re-entrant lock serialises every call and the index updates of background writes; the file
+writes themselves happen outside it. This module does not hash content, prefetch, or talk to a
+networked tier.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .disk import DiskTier
-from .entry import Entry, EntryTooLargeError, TierFullError, validate_key
+from .entry import Entry, EntryTooLargeError, MisfiledEntryError, TierFullError, certify, validate_key
 from .memory import MemoryTier
 from .policies import DEFAULT_POLICY, available_policies
 from .stats import StoreStats
@@ -42,7 +52,8 @@ class StoreConfig:
         use are host memory, already counted by `host_bytes`.
     disk_path: folder of the disk tier (shared by every process pointing at it); None: no disk tier.
     policy: eviction policy name for every tier, see `available_policies()`.
-    write_through: also write every put to disk (needed for other processes to see it).
+    write_through: also write every put to disk (needed for other processes, or a restart, to see it).
+    write_queue: disk writes waiting for the background writer, at most; 0 writes in the caller.
     durable: fsync every disk write.
     """
 
@@ -53,10 +64,11 @@ class StoreConfig:
     device: str | None = None
     policy: str = DEFAULT_POLICY
     write_through: bool = False
+    write_queue: int = 256
     durable: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes", "device_bytes", "disk_bytes"):
+        for name in ("host_bytes", "device_bytes", "disk_bytes", "write_queue"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.policy not in available_policies():
@@ -77,11 +89,17 @@ class PutResult(NamedTuple):
 class TieredStore:
     """Content-addressed entries over memory tiers (fastest first) and an optional disk tier.
 
+    write_queue: see `StoreConfig`; 0 (the default here) writes to disk in the calling thread.
     Raises ValueError if tier names repeat or there is no tier at all.
     """
 
     def __init__(
-        self, memory: Sequence[MemoryTier], disk: DiskTier | None = None, *, write_through: bool = False
+        self,
+        memory: Sequence[MemoryTier],
+        disk: DiskTier | None = None,
+        *,
+        write_through: bool = False,
+        write_queue: int = 0,
     ) -> None:
         self._memory = tuple(memory)
         self._disk = disk
@@ -96,6 +114,8 @@ class TieredStore:
             tier.pinned = self._pins
         self._lock = threading.RLock()
         self._hits = self._misses = self._puts = self._refused = 0
+        self._writes_queued = self._writes_dropped = 0
+        self._writer = _Writer(self, write_queue) if disk is not None and write_queue > 0 else None
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> TieredStore:
@@ -109,7 +129,7 @@ class TieredStore:
         disk = None
         if config.disk_path is not None:
             disk = DiskTier(config.disk_path, config.disk_bytes, config.policy, durable=config.durable)
-        return cls(memory, disk, write_through=config.write_through)
+        return cls(memory, disk, write_through=config.write_through, write_queue=config.write_queue)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -121,6 +141,7 @@ class TieredStore:
 
         Raises EntryTooLargeError when no tier's budget can hold it, TierFullError when every
         tier that could is held by pinned entries; the store is unchanged in both cases.
+        ValueError if `entry` is sealed with another key (an entry is filed under its own key only).
         """
         validate_key(key)
         with self._lock:
@@ -131,9 +152,11 @@ class TieredStore:
             target = next((t for t in self._memory if t.fits(nbytes) and t.can_admit(key, nbytes)), None)
             if target is None and self._disk is None:
                 raise TierFullError(f"entry {key!r}: every memory tier that fits it is pinned full")
-            owned = entry.to(target.device if target is not None else torch.device("cpu"), copy=True)
+            device = target.device if target is not None else torch.device("cpu")
+            owned = entry.to(device, copy=True).sealed(key)
             landed = None
-            if self._disk is not None and (self._write_through or target is None):
+            later = target is not None and self._writer is not None
+            if self._disk is not None and (target is None or (self._write_through and not later)):
                 try:
                     self._disk.insert(key, owned, "put")
                 except EntryTooLargeError:  # the file header tipped it over the disk budget
@@ -143,21 +166,24 @@ class TieredStore:
             for tier in self._memory:
                 tier.remove(key)
             landed = self._place(0, len(self._memory), key, owned, "put") or landed
+            if self._write_through and later:
+                self._write_later(key, owned)
             self._puts += 1
             return PutResult(str(landed), nbytes)
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str, tokens: str | None = None) -> Entry | None:
         """The entry under `key`, promoted to the fastest tier that takes it; None on a miss.
 
-        Returned tensors share storage with the store: treat them as read-only.
+        tokens: the fingerprint the entry must certify (see `entry.certify`); None checks the key
+        only. Returned tensors share storage with the store: treat them as read-only.
         """
         with self._lock:
-            return self._get(key)
+            return self._get(key, tokens)
 
-    def pin(self, key: str) -> Entry | None:
+    def pin(self, key: str, tokens: str | None = None) -> Entry | None:
         """`get`, and keep the entry from eviction until as many `unpin` calls; None on a miss."""
         with self._lock:
-            entry = self._get(key)
+            entry = self._get(key, tokens)
             if entry is not None:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return entry
@@ -174,9 +200,9 @@ class TieredStore:
                 self._pins[key] = count - 1
 
     @contextlib.contextmanager
-    def pinned(self, key: str) -> Iterator[Entry | None]:
+    def pinned(self, key: str, tokens: str | None = None) -> Iterator[Entry | None]:
         """Pin `key` for the block; yields the entry, or None on a miss (then nothing is pinned)."""
-        entry = self.pin(key)
+        entry = self.pin(key, tokens)
         try:
             yield entry
         finally:
@@ -202,7 +228,10 @@ class TieredStore:
             return sorted({k for tier in self.tiers for k in tier if k.startswith(prefix)})
 
     def flush(self) -> int:
-        """Write every memory entry missing from disk to disk; how many were written."""
+        """Wait for the background writes, then write every memory entry missing from disk to disk;
+        how many this call wrote itself."""
+        if self._writer is not None:
+            self._writer.drain()
         with self._lock:
             if self._disk is None:
                 return 0
@@ -215,21 +244,51 @@ class TieredStore:
                         written += 1
             return written
 
+    def close(self) -> int:
+        """`flush`, then stop the background writer (later writes happen in the caller); how many
+        entries the flush wrote. Call on a clean stop so a restart finds what memory held."""
+        written = self.flush()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        return written
+
     def stats(self) -> StoreStats:
         """A frozen snapshot of every counter."""
         with self._lock:
             tiers = tuple(t.stats() for t in self.tiers)
-            return StoreStats(tiers, self._hits, self._misses, self._puts, self._refused)
+            pending = self._writer.pending if self._writer is not None else 0
+            return StoreStats(
+                tiers,
+                self._hits,
+                self._misses,
+                self._puts,
+                self._refused,
+                self._writes_queued,
+                self._writes_dropped,
+                pending,
+            )
 
-    def _get(self, key: str) -> Entry | None:
+    def _certified(self, tier: Tier, key: str, entry: Entry, tokens: str | None) -> Entry | None:
+        """`entry` if it certifies `key` and `tokens`; else dropped from `tier`, counted, None."""
+        try:
+            return certify(entry, key, tokens)
+        except MisfiledEntryError:
+            tier.counters.hits -= 1  # the tier counted a hit; it was a refusal
+            tier.counters.misses += 1
+            tier.counters.misfiled += 1
+            tier.remove(key)
+            return None
+
+    def _get(self, key: str, tokens: str | None) -> Entry | None:
         for i, tier in enumerate(self._memory):
             entry = tier.get(key)
-            if entry is not None:
+            if entry is not None and self._certified(tier, key, entry, tokens) is not None:
                 self._hits += 1
                 return self._promote(i, key, entry)
         if self._disk is not None:
             entry = self._disk.get(key)
-            if entry is not None:
+            if entry is not None and self._certified(self._disk, key, entry, tokens) is not None:
                 self._hits += 1
                 landed = self._place(0, len(self._memory), key, entry, "promotion")
                 held = self._memory_tier(landed).peek(key) if landed is not None else None
@@ -265,8 +324,89 @@ class TieredStore:
         if self._place(start, len(self._memory), key, entry, "demotion") is not None:
             return
         if self._disk is not None and key not in self._disk:
+            if self._writer is not None:
+                self._write_later(key, entry)
+                return
             with contextlib.suppress(EntryTooLargeError, TierFullError):
                 self._disk.insert(key, entry, "demotion")
 
+    def _write_later(self, key: str, entry: Entry) -> None:
+        """Hand a disk write to the background writer; a full queue drops it (counted)."""
+        if self._writer is not None and self._writer.offer(key, entry):
+            self._writes_queued += 1
+        else:
+            self._writes_dropped += 1
+
+    def _write_behind(self, batch: list[tuple[str, Entry]]) -> None:
+        """Background writes: the files outside the lock, one index update under it (writer thread)."""
+        disk = self._disk
+        if disk is None:
+            return
+        with self._lock:
+            todo = [(key, entry) for key, entry in batch if key not in disk]
+        staged = []
+        for key, entry in todo:
+            try:
+                staged.append(disk.stage(key, entry))
+            except (EntryTooLargeError, OSError):
+                with self._lock:
+                    self._writes_dropped += 1
+        if not staged:
+            return
+        with self._lock:
+            try:
+                self._writes_dropped += len(staged) - disk.commit_new(staged, "put")
+            except OSError:
+                self._writes_dropped += len(staged)
+
     def _memory_tier(self, name: str) -> MemoryTier:
         return next(t for t in self._memory if t.name == name)
+
+
+_BATCH = 64  # queued writes published in one index update
+
+
+class _Writer:
+    """One daemon thread writing queued entries to the store's disk tier, at most `size` waiting."""
+
+    def __init__(self, store: TieredStore, size: int) -> None:
+        self._store = store
+        self._queue: queue.Queue[tuple[str, Entry] | None] = queue.Queue(maxsize=size)
+        self._thread = threading.Thread(target=self._run, name="kamera-store-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def offer(self, key: str, entry: Entry) -> bool:
+        """Queue a write; False (nothing queued) when the queue is full."""
+        try:
+            self._queue.put_nowait((key, entry))
+        except queue.Full:
+            return False
+        return True
+
+    def drain(self) -> None:
+        """Wait until every queued write is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH and batch[-1] is not None:  # what waits now: one index update
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._store._write_behind([item for item in batch if item is not None])
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if batch[-1] is None:
+                return
