@@ -24,12 +24,13 @@ import torch
 from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
 from agent.loop import Agent, Observation, StepResult
-from agent.server.chat import ByteTokenizer, Message, render
+from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
 from agent.server.generation import Decoded, SamplingParams, decode
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, build_prompt
 from agent.server.sessions import Session, SessionManager
+from agent.server.token_bound import TokenBound
 from cache.store import StoreConfig, TieredStore
 
 T = TypeVar("T")
@@ -56,7 +57,9 @@ class PromptTooLongError(ValueError):
 class RuntimeConfig:
     """Everything ``kamera serve`` configures. ``model``: an embedded name, a checkpoint folder, a
     .gguf file, or ``tiny:<family>`` (random weights, for tests); None is the embedded model.
-    ``api_keys``: (key, tenant) pairs; empty means no authentication (one anonymous tenant)."""
+    ``api_keys``: (key, tenant) pairs; empty means no authentication (one anonymous tenant).
+    ``lenient_fields``: unknown request fields are dropped instead of refused; ``public_metrics``:
+    ``/metrics`` answers without a key when keys are set."""
 
     model: str | None = None
     served_name: str | None = None
@@ -67,6 +70,8 @@ class RuntimeConfig:
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     api_keys: tuple[tuple[str, str], ...] = ()
+    lenient_fields: bool = False
+    public_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -153,6 +158,7 @@ class Runtime:
         self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s)
         self.worker = ModelWorker(self.limits.queue_size)
         self.tenants = dict(self.config.api_keys)
+        self.token_bound = TokenBound.of(adapter.tokenizer)
         self.draining = False
         self.error: str | None = None
         self.started = time.time()
@@ -197,21 +203,44 @@ class Runtime:
         """The namespace salt of a tenant's (optionally salted) requests."""
         return tenant if not cache_salt else f"{tenant}\x1f{cache_salt}"
 
+    # --- prompt length, checked before the model thread -------------------------------------
+
+    def check_length(self, texts: Sequence[str], limit: int, what: str = "the prompt") -> None:
+        """PromptTooLongError when ``texts`` certainly exceed ``limit`` tokens, from their length
+        alone (no tokenizing; nothing when the tokenizer gives no bound)."""
+        if self.token_bound is None:
+            return
+        least = self.token_bound.min_tokens(texts, limit)
+        if least > limit:
+            raise PromptTooLongError(
+                f"{what} has at least {least} tokens (from its length), over the limit of {limit}"
+            )
+
+    def render(self, messages: Sequence[Message]) -> list[Piece]:
+        """The prompt's pieces, tokenized by the calling thread (not the model's); PromptTooLongError
+        when its text alone exceeds ``max_prompt_tokens``."""
+        pieces = render(self.adapter.tokenizer, messages)
+        n_text = sum(len(p.ids) for p in pieces if isinstance(p, TextPiece))
+        if n_text > self.limits.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {n_text} text tokens, over max_prompt_tokens={self.limits.max_prompt_tokens}"
+            )
+        return pieces
+
     # --- jobs, run on the model thread -------------------------------------------------------
 
     def chat(
         self,
-        messages: Sequence[Message],
+        pieces: Sequence[Piece],
         params: SamplingParams,
         tenant_salt: str,
         cancel: threading.Event,
         on_start: Callable[[], None] | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> ChatOutcome:
-        """Render, plan and prefill the prompt, generate, then store its new chunks."""
+        """Plan and prefill the prompt (from :meth:`render`), generate, then store its new chunks."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pieces = render(self.adapter.tokenizer, messages)
             prompt = build_prompt(self.adapter, pieces, self.prompt_cache.image_unit)
             if prompt.n_tokens > self.limits.max_prompt_tokens:
                 raise PromptTooLongError(
