@@ -13,7 +13,6 @@ Not here: the model, the cache or the limits themselves (``runtime.py``, ``promp
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -36,6 +35,7 @@ from agent.adapters.loading import WORLD_VL
 from agent.context import RecallError
 from agent.loop import FramesObservation, ImageObservation, Observation, StepResult, TextObservation
 from agent.server import schemas as S
+from agent.server.auth import OPEN_PATHS, AuthMiddleware
 from agent.server.chat import Message as ChatMsg
 from agent.server.chat import Piece, TemplateError
 from agent.server.generation import SamplingParams
@@ -43,14 +43,8 @@ from agent.server.limits import BodyLimitMiddleware
 from agent.server.media import BadMediaError, MediaLimitError, load_image_url, load_video_url
 from agent.server.metrics import Metrics
 from agent.server.prompt_cache import NoImagesError
-from agent.server.runtime import (
-    CancelledJobError,
-    ChatOutcome,
-    DrainingError,
-    PromptTooLongError,
-    QueueFullError,
-    Runtime,
-)
+from agent.server.runtime import ChatOutcome, PromptTooLongError, Runtime
+from agent.server.scheduler import CancelledJobError, DrainingError, QueueFullError
 from agent.server.sessions import Session, SessionLimitError, SessionNotFoundError
 from agent.server.strict import describe, strict_route
 
@@ -192,7 +186,13 @@ def create_app(runtime: Runtime) -> FastAPI:
     app.router.route_class = strict_route(runtime.config.lenient_fields)
     app.state.runtime = runtime
     app.state.metrics = metrics
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    app.add_middleware(
+        AuthMiddleware,
+        tenants=runtime.tenants,
+        open_paths=OPEN_PATHS | ({"/metrics"} if runtime.config.public_metrics else set()),
+        on_reject=metrics.rejected.labels("unauthorized").inc,
+    )
     app.add_middleware(AccessMiddleware, metrics=metrics)
 
     @app.exception_handler(ApiError)
@@ -214,20 +214,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         return ApiError(500, "internal error", "internal_error", "server_error").response()
 
     def tenant_of(request: Request) -> str:
-        if not runtime.tenants:
-            return ""
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            for key, tenant in runtime.tenants.items():
-                if hmac.compare_digest(key.encode(), token.strip().encode()):
-                    return tenant
-        metrics.rejected.labels("unauthorized").inc()
-        raise ApiError(
-            401,
-            "missing or invalid API key (Authorization: Bearer <key>)",
-            "invalid_api_key",
-            "authentication_error",
-        )
+        """The tenant AuthMiddleware found for the request's key."""
+        tenant: str = request.state.tenant
+        return tenant
 
     def refuse(exc: BaseException) -> ApiError:
         err = api_error(exc)
@@ -237,22 +226,22 @@ def create_app(runtime: Runtime) -> FastAPI:
             metrics.rejected.labels(err.code).inc()
         return err
 
-    async def admitted(work: Callable[[], Awaitable[T]]) -> T:
-        """Run ``work`` holding a place in the model queue (429 when there is none)."""
+    async def admitted(tenant: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work`` holding a place in the model queue (429 when there is none for the tenant)."""
         if runtime.draining:
             raise refuse(DrainingError("the server is shutting down"))
         try:
-            runtime.worker.admit()
+            runtime.worker.admit(tenant)
         except (QueueFullError, DrainingError) as exc:
             raise refuse(exc) from None
         try:
             return await work()
         finally:
-            runtime.worker.leave()
+            runtime.worker.leave(tenant)
 
     async def watched(request: Request, fn: Callable[[], T], cancel: threading.Event) -> T:
         """Run ``fn`` on the model thread; a client that disconnects sets ``cancel``."""
-        task = asyncio.ensure_future(runtime.worker.run(fn, cancel))
+        task = asyncio.ensure_future(runtime.worker.run(fn, cancel, request.state.tenant))
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and not cancel.is_set() and await request.is_disconnected():
@@ -433,7 +422,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 kamera=report,
             )
 
-        return await admitted(work)
+        return await admitted(tenant, work)
 
     async def stream_chat(
         request: Request,
@@ -445,10 +434,11 @@ def create_app(runtime: Runtime) -> FastAPI:
         name: str,
         arrival: float,
     ) -> Response:
+        tenant: str = request.state.tenant
         if runtime.draining:
             raise refuse(DrainingError("the server is shutting down"))
         try:
-            runtime.worker.admit()
+            runtime.worker.admit(tenant)
         except (QueueFullError, DrainingError) as exc:
             raise refuse(exc) from None
         handed = False
@@ -475,8 +465,8 @@ def create_app(runtime: Runtime) -> FastAPI:
                     on_text=lambda t: emit("text", t),
                 )
 
-            task = asyncio.ensure_future(runtime.worker.run(job, cancel))
-            task.add_done_callback(lambda _: runtime.worker.leave())
+            task = asyncio.ensure_future(runtime.worker.run(job, cancel, tenant))
+            task.add_done_callback(lambda _: runtime.worker.leave(tenant))
             task.add_done_callback(lambda _: events.put_nowait(("done", "")))
             handed = True
             kind, _ = await _next_event(request, events, cancel)
@@ -487,7 +477,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                     raise refuse(exc) from None
         finally:
             if not handed:
-                runtime.worker.leave()
+                runtime.worker.leave(tenant)
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             data = {
@@ -609,7 +599,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens", param="max_tokens"
             )
         try:
-            runtime.sessions.reserve()
+            runtime.sessions.reserve(tenant)
         except SessionLimitError as exc:
             raise refuse(exc) from None
         salt = runtime.tenant_salt(tenant, body.cache_salt)
@@ -620,9 +610,9 @@ def create_app(runtime: Runtime) -> FastAPI:
                     body.system_prompt, body.budget_tokens, body.policy, body.max_tokens, salt
                 )
 
-            agent = await admitted(lambda: watched(request, job, threading.Event()))
+            agent = await admitted(tenant, lambda: watched(request, job, threading.Event()))
         except BaseException:
-            runtime.sessions.release()
+            runtime.sessions.release(tenant)
             raise
         session = runtime.sessions.add(tenant, agent, body.budget_tokens)
         return await run_in_threadpool(window, session)
@@ -731,7 +721,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 started, result = await watched(request, job, threading.Event())
                 return step_response(result, 1000 * (started - arrival))
 
-            return await admitted(work)
+            return await admitted(tenant, work)
         finally:
             runtime.sessions.done(session)
 
