@@ -174,3 +174,14 @@ def test_text_model_names_the_model_that_takes_images(strict: httpx.Client) -> N
     assert r.status_code == 400
     assert "--model world-vl" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages"
+
+
+def test_a_step_text_over_the_session_budget_is_refused_from_its_length(strict: httpx.Client) -> None:
+    sid = strict.post("/v1/sessions", json={"budget_tokens": 64}).json()["id"]
+    obs = [{"type": "text", "text": "z" * (4 << 20)}]
+    t0 = time.perf_counter()
+    r = strict.post(f"/v1/sessions/{sid}/steps", json={"observations": obs, "instruction": "go"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "observations[0].text"
+    assert time.perf_counter() - t0 < 2.0
+    assert strict.delete(f"/v1/sessions/{sid}").status_code == 204

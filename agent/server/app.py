@@ -671,6 +671,21 @@ def create_app(runtime: Runtime) -> FastAPI:
                 400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens", param="max_tokens"
             )
 
+    def check_step_length(body: S.StepRequest, budget: int) -> None:
+        """Refuse text no window of ``budget`` tokens can hold, from its length (before tokenizing)."""
+        texts = [
+            (f"observations[{i}].text", o.text)
+            for i, o in enumerate(body.observations)
+            if isinstance(o, S.TextObs)
+        ]
+        for param, text in [*texts, ("instruction", body.instruction)]:
+            try:
+                runtime.check_length([text], budget, param)
+            except PromptTooLongError as exc:
+                raise ApiError(
+                    400, f"{exc} (the session's budget_tokens)", "context_length_exceeded", param=param
+                ) from None
+
     def step_response(result: StepResult, queue_ms: float) -> S.StepResponse:
         report = asdict(result.report)
         report["evicted"] = list(report["evicted"])
@@ -699,6 +714,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         except SessionNotFoundError as exc:
             raise refuse(exc) from None
         try:
+            check_step_length(body, session.budget_tokens)
             ops: list[tuple[str, Any]] = []
             for op in body.operations:
                 if isinstance(op, S.SlideOp):
