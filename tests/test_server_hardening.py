@@ -429,6 +429,7 @@ def test_tenant_queue_share_leaves_others_a_place() -> None:
 def test_model_thread_serves_tenants_in_turn() -> None:
     """Tenant a queues five jobs before b queues two: b's run second and fourth, not last."""
     import asyncio
+    import functools
     import threading
 
     worker = ModelWorker(queue_size=16)
@@ -438,7 +439,7 @@ def test_model_thread_serves_tenants_in_turn() -> None:
     async def main() -> None:
         first = asyncio.ensure_future(worker.run(gate.wait, threading.Event(), "a"))
         await asyncio.sleep(0.05)  # the model thread is now busy with a's first job
-        jobs = [worker.run(lambda t=t: order.append(t), threading.Event(), t) for t in "aaaaabb"]
+        jobs = [worker.run(functools.partial(order.append, t), threading.Event(), t) for t in "aaaaabb"]
         tasks = [asyncio.ensure_future(j) for j in jobs]
         await asyncio.sleep(0.05)
         gate.set()

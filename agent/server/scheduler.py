@@ -115,7 +115,8 @@ class ModelWorker:
 
     def _serve(self) -> None:
         while (job := self._next()) is not None:
-            result, error = None, None
+            result: Any = None
+            error: BaseException | None = None
             if self.closed:
                 error = DrainingError("the server is shutting down")
             elif job.cancel.is_set():

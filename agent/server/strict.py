@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
 from fastapi import Request, Response
@@ -78,7 +78,7 @@ def strict_route(lenient_fields: bool) -> type[APIRoute]:
     """A route class whose bodies are parsed by :func:`parse_json`, unknown fields refused or dropped."""
 
     class StrictRoute(APIRoute):
-        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
             async def strict_handler(request: Request) -> Response:
