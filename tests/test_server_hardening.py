@@ -6,6 +6,7 @@ Each bad input must get a 4xx with a message, and the server must serve the next
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gc
 import io
 import shutil
@@ -24,7 +25,8 @@ from agent.server.app import create_app
 from agent.server.background import BackgroundServer
 from agent.server.limits import ServerLimits
 from agent.server.runtime import Runtime
-from agent.server.sessions import SessionManager
+from agent.server.scheduler import ModelWorker, QueueFullError
+from agent.server.sessions import SessionLimitError, SessionManager
 from tests.test_server import png_data_url, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ LIMITS = ServerLimits(
     max_image_pixels=120 * 120,
     max_tokens=2048,
     default_max_tokens=4,
-    queue_size=2,
+    queue_size=3,
     max_sessions=2,
     drain_s=5,
 )
@@ -150,7 +152,7 @@ def test_auth_and_tenant_isolation(vl: tuple[str, Runtime], alice: httpx.Client)
         headers={"Authorization": "Bearer nope"},
     )
     assert wrong.status_code == 401
-    assert httpx.get(url + "/health").status_code == 200  # health and metrics need no key
+    assert httpx.get(url + "/health").status_code == 200  # only health needs no key
     body = {
         "messages": [
             {"role": "system", "content": "Shared secret context " * 20},
@@ -169,22 +171,38 @@ def test_auth_and_tenant_isolation(vl: tuple[str, Runtime], alice: httpx.Client)
     assert alice.delete(f"/v1/sessions/{sid}").status_code == 204
 
 
-def test_session_limit_is_429(alice: httpx.Client) -> None:
-    ids = [alice.post("/v1/sessions", json={}).json()["id"] for _ in range(2)]
-    full = alice.post("/v1/sessions", json={})
-    assert full.status_code == 429
-    assert "maximum of 2 sessions" in full.json()["error"]["message"]
-    for sid in ids:
-        assert alice.delete(f"/v1/sessions/{sid}").status_code == 204
-    last = alice.post("/v1/sessions", json={})
-    assert last.status_code == 201
-    assert alice.delete(f"/v1/sessions/{last.json()['id']}").status_code == 204
+def test_session_quota_per_tenant(vl: tuple[str, Runtime], alice: httpx.Client) -> None:
+    """Two tenants share max_sessions=2: alice filling her share leaves bob his."""
+    with httpx.Client(base_url=vl[0], headers={"Authorization": "Bearer key-b"}, timeout=60) as bob:
+        mine = alice.post("/v1/sessions", json={})
+        assert mine.status_code == 201
+        over = alice.post("/v1/sessions", json={})
+        assert over.status_code == 429
+        assert "share of 1 sessions" in over.json()["error"]["message"]
+        theirs = bob.post("/v1/sessions", json={})
+        assert theirs.status_code == 201, theirs.text
+        assert bob.post("/v1/sessions", json={}).status_code == 429
+        assert alice.delete(f"/v1/sessions/{mine.json()['id']}").status_code == 204
+        again = alice.post("/v1/sessions", json={})
+        assert again.status_code == 201
+        for client, sid in ((alice, again.json()["id"]), (bob, theirs.json()["id"])):
+            assert client.delete(f"/v1/sessions/{sid}").status_code == 204
+
+
+def test_session_limit_is_429() -> None:
+    manager = SessionManager(max_sessions=2, idle_s=10)
+    manager.reserve("a")
+    manager.reserve("b")
+    with pytest.raises(SessionLimitError, match="maximum of 2 sessions"):
+        manager.reserve("c")
+    manager.release("a")
+    manager.reserve("c")
 
 
 def test_session_expiry() -> None:
     now = [0.0]
     manager = SessionManager(max_sessions=1, idle_s=10, clock=lambda: now[0])
-    manager.reserve()
+    manager.reserve("t")
     session = manager.add("t", object(), 100)  # type: ignore[arg-type]
     now[0] = 5
     assert manager.sweep() == 0
@@ -194,7 +212,7 @@ def test_session_expiry() -> None:
     manager.done(session)
     now[0] = 111
     assert manager.sweep() == 1
-    manager.reserve()  # the slot is free again
+    manager.reserve("t")  # the slot is free again
 
 
 def test_queue_full_is_429(alice: httpx.Client) -> None:
@@ -373,3 +391,79 @@ def test_dockerfile_shape() -> None:
     assert "kamera" in text
     assert "--host" in text
     assert "0.0.0.0" in text
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/nowhere"])
+def test_every_route_but_health_needs_a_key(vl: tuple[str, Runtime], alice: httpx.Client, path: str) -> None:
+    r = httpx.get(vl[0] + path)
+    assert r.status_code == 401, (path, r.status_code)
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert alice.get(path).status_code in (200, 404)
+
+
+def test_public_metrics_flag_and_health_shows_no_paths() -> None:
+    config = tiny_config("tiny:llama-gqa", limits=LIMITS, api_keys=(("k", "t"),), public_metrics=True)
+    runtime = Runtime.load(dataclasses.replace(config, model="tiny:llama-gqa", served_name=None))
+    with BackgroundServer(create_app(runtime)) as url:
+        assert httpx.get(url + "/metrics").status_code == 200
+        assert httpx.get(url + "/docs").status_code == 401
+    assert dataclasses.replace(config, model="/srv/models/Qwen2.5-VL-3B").name == "Qwen2.5-VL-3B"
+    runtime.error = "the model failed its warm-up: OSError: /srv/models/x/model.safetensors"
+    ok, reason = runtime.health()
+    assert not ok
+    assert "/" not in reason
+
+
+def test_tenant_queue_share_leaves_others_a_place() -> None:
+    worker = ModelWorker(queue_size=3, tenant_capacity=2)
+    worker.admit("a")
+    worker.admit("a")
+    with pytest.raises(QueueFullError, match="share of 2"):
+        worker.admit("a")
+    worker.admit("b")  # b still gets a place
+    worker.leave("a")
+    worker.admit("a")
+    worker.shutdown()
+
+
+def test_model_thread_serves_tenants_in_turn() -> None:
+    """Tenant a queues five jobs before b queues two: b's run second and fourth, not last."""
+    import asyncio
+    import functools
+    import threading
+
+    worker = ModelWorker(queue_size=16)
+    order: list[str] = []
+    gate = threading.Event()
+
+    async def main() -> None:
+        first = asyncio.ensure_future(worker.run(gate.wait, threading.Event(), "a"))
+        await asyncio.sleep(0.05)  # the model thread is now busy with a's first job
+        jobs = [worker.run(functools.partial(order.append, t), threading.Event(), t) for t in "aaaaabb"]
+        tasks = [asyncio.ensure_future(j) for j in jobs]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, *tasks)
+
+    asyncio.run(main())
+    worker.shutdown()
+    assert order == ["a", "b", "a", "b", "a", "a", "a"], order
+
+
+def test_a_tenant_at_its_queue_share_leaves_another_answered(vl: tuple[str, Runtime]) -> None:
+    """alice floods the queue (share 2 of 4 places): some of hers get 429, bob's request is served."""
+    url, _ = vl
+    body = {"messages": [{"role": "user", "content": "forever"}], "max_tokens": 8, "temperature": 0}
+
+    def post(key: str) -> int:
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120).status_code
+
+    with ThreadPoolExecutor(7) as pool:
+        floods = [pool.submit(post, "key-a") for _ in range(6)]
+        time.sleep(0.3)
+        bob = pool.submit(post, "key-b")
+        codes = [f.result() for f in floods]
+        assert bob.result() == 200
+    assert 429 in codes
+    assert codes.count(200) >= 1

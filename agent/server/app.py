@@ -13,7 +13,6 @@ Not here: the model, the cache or the limits themselves (``runtime.py``, ``promp
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -32,28 +31,26 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agent.adapters.loading import WORLD_VL
 from agent.context import RecallError
 from agent.loop import FramesObservation, ImageObservation, Observation, StepResult, TextObservation
 from agent.server import schemas as S
+from agent.server.auth import OPEN_PATHS, AuthMiddleware
 from agent.server.chat import Message as ChatMsg
-from agent.server.chat import TemplateError
+from agent.server.chat import Piece, TemplateError
 from agent.server.generation import SamplingParams
 from agent.server.limits import BodyLimitMiddleware
 from agent.server.media import BadMediaError, MediaLimitError, load_image_url, load_video_url
 from agent.server.metrics import Metrics
 from agent.server.prompt_cache import NoImagesError
-from agent.server.runtime import (
-    CancelledJobError,
-    ChatOutcome,
-    DrainingError,
-    PromptTooLongError,
-    QueueFullError,
-    Runtime,
-)
+from agent.server.runtime import ChatOutcome, PromptTooLongError, Runtime
+from agent.server.scheduler import CancelledJobError, DrainingError, QueueFullError
 from agent.server.sessions import Session, SessionLimitError, SessionNotFoundError
+from agent.server.strict import describe, strict_route
 
 T = TypeVar("T")
 log = logging.getLogger("kamera.server")
+PREPARE_ERRORS = (MediaLimitError, BadMediaError, PromptTooLongError, TemplateError)
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": S.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
@@ -61,19 +58,26 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, code: str, kind: str = "invalid_request_error", retry_after: int = 0
+        self,
+        status: int,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        retry_after: int = 0,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.kind, self.retry_after = (
+        self.status, self.message, self.code, self.kind, self.retry_after, self.param = (
             status,
             message,
             code,
             kind,
             retry_after,
+            param,
         )
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": None}}
+        body = {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}}
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else {}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
@@ -179,9 +183,16 @@ def create_app(runtime: Runtime) -> FastAPI:
             runtime.sessions.sweep()
 
     app = FastAPI(title="Kamera", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = strict_route(runtime.config.lenient_fields)
     app.state.runtime = runtime
     app.state.metrics = metrics
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    app.add_middleware(
+        AuthMiddleware,
+        tenants=runtime.tenants,
+        open_paths=OPEN_PATHS | ({"/metrics"} if runtime.config.public_metrics else set()),
+        on_reject=metrics.rejected.labels("unauthorized").inc,
+    )
     app.add_middleware(AccessMiddleware, metrics=metrics)
 
     @app.exception_handler(ApiError)
@@ -190,11 +201,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', '')}"
-            for e in exc.errors()[:5]
-        )
-        return ApiError(400, f"invalid request: {problems}", "invalid_request").response()
+        problem = describe(exc.errors())
+        return ApiError(400, problem.message, "invalid_request", param=problem.param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -206,20 +214,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         return ApiError(500, "internal error", "internal_error", "server_error").response()
 
     def tenant_of(request: Request) -> str:
-        if not runtime.tenants:
-            return ""
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            for key, tenant in runtime.tenants.items():
-                if hmac.compare_digest(key.encode(), token.strip().encode()):
-                    return tenant
-        metrics.rejected.labels("unauthorized").inc()
-        raise ApiError(
-            401,
-            "missing or invalid API key (Authorization: Bearer <key>)",
-            "invalid_api_key",
-            "authentication_error",
-        )
+        """The tenant AuthMiddleware found for the request's key."""
+        tenant: str = request.state.tenant
+        return tenant
 
     def refuse(exc: BaseException) -> ApiError:
         err = api_error(exc)
@@ -229,22 +226,22 @@ def create_app(runtime: Runtime) -> FastAPI:
             metrics.rejected.labels(err.code).inc()
         return err
 
-    async def admitted(work: Callable[[], Awaitable[T]]) -> T:
-        """Run ``work`` holding a place in the model queue (429 when there is none)."""
+    async def admitted(tenant: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work`` holding a place in the model queue (429 when there is none for the tenant)."""
         if runtime.draining:
             raise refuse(DrainingError("the server is shutting down"))
         try:
-            runtime.worker.admit()
+            runtime.worker.admit(tenant)
         except (QueueFullError, DrainingError) as exc:
             raise refuse(exc) from None
         try:
             return await work()
         finally:
-            runtime.worker.leave()
+            runtime.worker.leave(tenant)
 
     async def watched(request: Request, fn: Callable[[], T], cancel: threading.Event) -> T:
         """Run ``fn`` on the model thread; a client that disconnects sets ``cancel``."""
-        task = asyncio.ensure_future(runtime.worker.run(fn, cancel))
+        task = asyncio.ensure_future(runtime.worker.run(fn, cancel, request.state.tenant))
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and not cancel.is_set() and await request.is_disconnected():
@@ -257,24 +254,40 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     # --- chat completions -------------------------------------------------------------------
 
+    def no_images_message() -> str:
+        return (
+            f"model {runtime.config.name} takes no image or video input; to send images, serve a "
+            f"Qwen2.5-VL model: kamera serve --model {WORLD_VL} (the embedded one) or --model "
+            "<a Qwen2.5-VL checkpoint folder>"
+        )
+
     def check_media(body: S.ChatCompletionRequest) -> None:
         if len(body.messages) > limits.max_messages:
             raise ApiError(
                 400,
                 f"{len(body.messages)} messages exceed max_messages={limits.max_messages}",
                 "too_many_messages",
+                param="messages",
             )
         parts = [p for m in body.messages if isinstance(m.content, list) for p in m.content]
         images = sum(isinstance(p, S.ImagePart) for p in parts)
         videos = sum(isinstance(p, S.VideoPart) for p in parts)
         if images > limits.max_images:
-            raise ApiError(413, f"{images} images exceed max_images={limits.max_images}", "too_many_images")
-        if videos > limits.max_videos:
-            raise ApiError(413, f"{videos} videos exceed max_videos={limits.max_videos}", "too_many_videos")
-        if (images or videos) and not runtime.takes_images:
             raise ApiError(
-                400, f"model {runtime.config.name} takes no image or video input", "images_unsupported"
+                413,
+                f"{images} images exceed max_images={limits.max_images}",
+                "too_many_images",
+                param="messages",
             )
+        if videos > limits.max_videos:
+            raise ApiError(
+                413,
+                f"{videos} videos exceed max_videos={limits.max_videos}",
+                "too_many_videos",
+                param="messages",
+            )
+        if (images or videos) and not runtime.takes_images:
+            raise ApiError(400, no_images_message(), "images_unsupported", param="messages")
 
     def to_messages(body: S.ChatCompletionRequest) -> list[ChatMsg]:
         """Decode media (on the thread pool): the request's messages with images in place."""
@@ -297,15 +310,35 @@ def create_app(runtime: Runtime) -> FastAPI:
             out.append(ChatMsg(role, tuple(parts)))
         return out
 
+    def prompt_pieces(body: S.ChatCompletionRequest) -> list[Piece]:
+        """Media decoded and text tokenized (on the thread pool, not the model thread)."""
+        return runtime.render(to_messages(body))
+
+    def check_length(body: S.ChatCompletionRequest) -> None:
+        """Refuse a prompt whose text is certainly too long, before it takes a queue place."""
+        texts: list[str] = []
+        for m in body.messages:
+            if isinstance(m.content, str):
+                texts.append(m.content)
+            elif m.content:
+                texts.extend(p.text for p in m.content if isinstance(p, S.TextPart))
+        try:
+            runtime.check_length(texts, limits.max_prompt_tokens)
+        except PromptTooLongError as exc:
+            raise ApiError(400, str(exc), "context_length_exceeded", param="messages") from None
+
     def sampling(body: S.ChatCompletionRequest) -> SamplingParams:
         max_tokens = body.max_completion_tokens or body.max_tokens or limits.default_max_tokens
         if max_tokens > limits.max_tokens:
             raise ApiError(
-                400, f"max_tokens={max_tokens} exceeds the server's {limits.max_tokens}", "max_tokens"
+                400,
+                f"max_tokens={max_tokens} exceeds the server's {limits.max_tokens}",
+                "max_tokens",
+                param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
-            raise ApiError(400, "stop takes at most 4 non-empty strings", "bad_stop")
+            raise ApiError(400, "stop takes at most 4 non-empty strings", "bad_stop", param="stop")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -358,6 +391,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     ) -> Any:
         arrival = time.perf_counter()
         check_media(body)
+        check_length(body)
         params = sampling(body)
         salt = runtime.tenant_salt(tenant, body.cache_salt)
         cid, created, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), runtime.config.name
@@ -366,14 +400,14 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         async def work() -> S.ChatCompletion:
             try:
-                messages = await run_in_threadpool(to_messages, body)
-            except (MediaLimitError, BadMediaError) as exc:
+                pieces = await run_in_threadpool(prompt_pieces, body)
+            except PREPARE_ERRORS as exc:
                 raise refuse(exc) from None
             cancel = threading.Event()
 
             def job() -> tuple[float, ChatOutcome]:
                 started = time.perf_counter()
-                return started, runtime.chat(messages, params, salt, cancel, mode=body.kamera_reuse)
+                return started, runtime.chat(pieces, params, salt, cancel, mode=body.kamera_reuse)
 
             started, outcome = await watched(request, job, cancel)
             report = record_chat(outcome, arrival, started)
@@ -395,7 +429,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 kamera=report,
             )
 
-        return await admitted(work)
+        return await admitted(tenant, work)
 
     async def stream_chat(
         request: Request,
@@ -407,17 +441,18 @@ def create_app(runtime: Runtime) -> FastAPI:
         name: str,
         arrival: float,
     ) -> Response:
+        tenant: str = request.state.tenant
         if runtime.draining:
             raise refuse(DrainingError("the server is shutting down"))
         try:
-            runtime.worker.admit()
+            runtime.worker.admit(tenant)
         except (QueueFullError, DrainingError) as exc:
             raise refuse(exc) from None
         handed = False
         try:
             try:
-                messages = await run_in_threadpool(to_messages, body)
-            except (MediaLimitError, BadMediaError) as exc:
+                pieces = await run_in_threadpool(prompt_pieces, body)
+            except PREPARE_ERRORS as exc:
                 raise refuse(exc) from None
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -429,7 +464,7 @@ def create_app(runtime: Runtime) -> FastAPI:
             def job() -> tuple[float, ChatOutcome]:
                 started = time.perf_counter()
                 return started, runtime.chat(
-                    messages,
+                    pieces,
                     params,
                     salt,
                     cancel,
@@ -438,8 +473,8 @@ def create_app(runtime: Runtime) -> FastAPI:
                     mode=body.kamera_reuse,
                 )
 
-            task = asyncio.ensure_future(runtime.worker.run(job, cancel))
-            task.add_done_callback(lambda _: runtime.worker.leave())
+            task = asyncio.ensure_future(runtime.worker.run(job, cancel, tenant))
+            task.add_done_callback(lambda _: runtime.worker.leave(tenant))
             task.add_done_callback(lambda _: events.put_nowait(("done", "")))
             handed = True
             kind, _ = await _next_event(request, events, cancel)
@@ -450,7 +485,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                     raise refuse(exc) from None
         finally:
             if not handed:
-                runtime.worker.leave()
+                runtime.worker.leave(tenant)
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             data = {
@@ -565,11 +600,14 @@ def create_app(runtime: Runtime) -> FastAPI:
                 400,
                 f"budget_tokens exceeds max_session_tokens={limits.max_session_tokens}",
                 "budget_too_large",
+                param="budget_tokens",
             )
         if body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens")
+            raise ApiError(
+                400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens", param="max_tokens"
+            )
         try:
-            runtime.sessions.reserve()
+            runtime.sessions.reserve(tenant)
         except SessionLimitError as exc:
             raise refuse(exc) from None
         salt = runtime.tenant_salt(tenant, body.cache_salt)
@@ -580,9 +618,9 @@ def create_app(runtime: Runtime) -> FastAPI:
                     body.system_prompt, body.budget_tokens, body.policy, body.max_tokens, salt
                 )
 
-            agent = await admitted(lambda: watched(request, job, threading.Event()))
+            agent = await admitted(tenant, lambda: watched(request, job, threading.Event()))
         except BaseException:
-            runtime.sessions.release()
+            runtime.sessions.release(tenant)
             raise
         session = runtime.sessions.add(tenant, agent, body.budget_tokens)
         return await run_in_threadpool(window, session)
@@ -608,20 +646,53 @@ def create_app(runtime: Runtime) -> FastAPI:
                 413,
                 f"{len(body.observations)} observations exceed {limits.max_observations}",
                 "too_many_observations",
+                param="observations",
             )
         images = sum(isinstance(o, S.ImageObs) for o in body.observations)
         frames = sum(len(o.frames) for o in body.observations if isinstance(o, S.FramesObs))
         if images > limits.max_images:
-            raise ApiError(413, f"{images} images exceed max_images={limits.max_images}", "too_many_images")
+            raise ApiError(
+                413,
+                f"{images} images exceed max_images={limits.max_images}",
+                "too_many_images",
+                param="observations",
+            )
         if frames > limits.max_frames:
-            raise ApiError(413, f"{frames} frames exceed max_frames={limits.max_frames}", "too_many_frames")
+            raise ApiError(
+                413,
+                f"{frames} frames exceed max_frames={limits.max_frames}",
+                "too_many_frames",
+                param="observations",
+            )
         if (images or frames) and not runtime.takes_images:
-            raise ApiError(400, f"model {runtime.config.name} takes no image input", "images_unsupported")
-        for o in body.observations:
+            raise ApiError(400, no_images_message(), "images_unsupported", param="observations")
+        for i, o in enumerate(body.observations):
             if isinstance(o, S.FramesObs) and o.timestamps is not None and len(o.timestamps) != len(o.frames):
-                raise ApiError(400, "frames and timestamps differ in length", "bad_frames")
+                raise ApiError(
+                    400,
+                    "frames and timestamps differ in length",
+                    "bad_frames",
+                    param=f"observations[{i}].timestamps",
+                )
         if body.max_tokens is not None and body.max_tokens > limits.max_tokens:
-            raise ApiError(400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens")
+            raise ApiError(
+                400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens", param="max_tokens"
+            )
+
+    def check_step_length(body: S.StepRequest, budget: int) -> None:
+        """Refuse text no window of ``budget`` tokens can hold, from its length (before tokenizing)."""
+        texts = [
+            (f"observations[{i}].text", o.text)
+            for i, o in enumerate(body.observations)
+            if isinstance(o, S.TextObs)
+        ]
+        for param, text in [*texts, ("instruction", body.instruction)]:
+            try:
+                runtime.check_length([text], budget, param)
+            except PromptTooLongError as exc:
+                raise ApiError(
+                    400, f"{exc} (the session's budget_tokens)", "context_length_exceeded", param=param
+                ) from None
 
     def step_response(result: StepResult, queue_ms: float) -> S.StepResponse:
         report = asdict(result.report)
@@ -651,6 +722,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         except SessionNotFoundError as exc:
             raise refuse(exc) from None
         try:
+            check_step_length(body, session.budget_tokens)
             ops: list[tuple[str, Any]] = []
             for op in body.operations:
                 if isinstance(op, S.SlideOp):
@@ -673,7 +745,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                 started, result = await watched(request, job, threading.Event())
                 return step_response(result, 1000 * (started - arrival))
 
-            return await admitted(work)
+            return await admitted(tenant, work)
         finally:
             runtime.sessions.done(session)
 

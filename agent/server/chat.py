@@ -133,3 +133,6 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - 4 for i in ids if 4 <= i < 260)
         return data.decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**{chr(b): b + 4 for b in range(256)}, **self.specials}

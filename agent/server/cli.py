@@ -1,5 +1,6 @@
 """``kamera serve``: build the runtime from options (or KAMERA_* environment variables), then
-serve the app with uvicorn until SIGINT/SIGTERM, draining running requests first.
+serve the app with uvicorn (``serving.py``) until SIGTERM, which drains running requests first,
+or SIGINT.
 
 Every option has an environment variable: ``--max-body-bytes`` is ``KAMERA_MAX_BODY_BYTES``,
 ``--port`` is ``KAMERA_PORT``, and so on; an option on the command line wins. API keys come
@@ -20,6 +21,10 @@ from agent.server.limits import ServerLimits, limit_fields
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get("KAMERA_" + name.upper().replace("-", "_"), default)
+
+
+def _flag(name: str) -> bool:
+    return str(_env(name, "")).lower() in ("1", "true", "yes", "on")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,6 +66,18 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated hosts whose https images may be fetched (empty: fetching off)",
     )
     p.add_argument("--api-keys-file", default=_env("api_keys_file", None))
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        default=_flag("public_metrics"),
+        help="/metrics answers without an API key (every other route but /health needs one)",
+    )
+    p.add_argument(
+        "--lenient-fields",
+        action="store_true",
+        default=_flag("lenient_fields"),
+        help="ignore unknown request fields instead of refusing them with 400",
+    )
     limits = p.add_argument_group("limits")
     for name, kind, default in limit_fields():
         limits.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, default)))
@@ -108,17 +125,18 @@ def build_config(args: argparse.Namespace) -> Any:
             fetch=FetchConfig(enabled=bool(hosts), allowed_hosts=hosts),
         ),
         api_keys=api_keys(args),
+        lenient_fields=args.lenient_fields,
+        public_metrics=args.public_metrics,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        import uvicorn
-
         from agent.server.app import create_app
         from agent.server.logs import configure_logging
         from agent.server.runtime import Runtime
+        from agent.server.serving import serve
     except ImportError as exc:
         print(f"kamera serve needs the server extra: pip install 'kamera[server]' ({exc})")
         return 2
@@ -133,12 +151,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kamera serve: {exc}")
         return 2
     runtime = Runtime.load(config)
-    uvicorn.run(
-        create_app(runtime),
-        host=args.host,
-        port=args.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=int(config.limits.drain_s),
-    )
+    serve(create_app(runtime), runtime, args.host, args.port)
     return 0

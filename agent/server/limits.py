@@ -11,6 +11,7 @@ Not here: authentication, queueing (``runtime.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,7 +33,10 @@ class ServerLimits:
     queue_size: requests admitted to wait for the model beside the one running;
     max_sessions / session_idle_s: live agent sessions and how long an idle one lives;
     max_session_tokens: a session's window budget; max_observations: per step; drain_s: how
-    long shutdown waits for running requests.
+    long shutdown waits for running requests; header_timeout_s: a request's headers must arrive
+    within it of the connection opening (or of the previous response); body_timeout_s: its body
+    within it of the headers; max_tenant_sessions / max_tenant_queue: one tenant's share of the
+    sessions and of the queue, 0 for an equal share (the total over the number of tenants).
     """
 
     max_body_bytes: int = 32 << 20
@@ -56,9 +60,15 @@ class ServerLimits:
     max_session_tokens: int = 32768
     max_observations: int = 64
     drain_s: float = 30.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_tenant_sessions: int = 0
+    max_tenant_queue: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name in _ZERO_IS_EQUAL_SHARE and getattr(self, f.name) == 0:
+                continue
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"limit {f.name} must be positive, got {getattr(self, f.name)!r}")
         if self.default_max_tokens > self.max_tokens:
@@ -66,20 +76,37 @@ class ServerLimits:
         if self.frame_min_pixels > self.frame_max_pixels:
             raise ValueError("frame_min_pixels exceeds frame_max_pixels")
 
+    def tenant_quotas(self, tenants: int) -> tuple[int, int]:
+        """(sessions, queue places, the running job's included) one of ``tenants`` tenants may hold."""
+        return (
+            _share(self.max_sessions, tenants, self.max_tenant_sessions),
+            _share(self.queue_size + 1, tenants, self.max_tenant_queue),
+        )
+
+
+def _share(total: int, tenants: int, quota: int) -> int:
+    return min(total, quota) if quota else max(1, total // max(1, tenants))
+
+
+_ZERO_IS_EQUAL_SHARE = frozenset({"max_tenant_sessions", "max_tenant_queue"})
+
 
 def _error_body(message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
+    return json.dumps(body).encode()
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413 before the app reads a byte of them.
+    """Refuse bodies over ``max_bytes`` with 413 before the app reads a byte of them, and bodies
+    that take longer than ``timeout_s`` to arrive with 408 (and the connection closed).
 
     A declared Content-Length over the cap is refused at once; otherwise the body is read up to
     the cap (a chunked or lying client is cut off as soon as it passes it) and replayed to the app.
+    The deadline is for the whole body, so a client trickling a byte a second is cut all the same.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 60.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -100,8 +127,20 @@ class BodyLimitMiddleware:
                 return
         chunks: list[bytes] = []
         total = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await _reply(
+                    send,
+                    408,
+                    f"request body not received within {self.timeout_s:g} s",
+                    "body_timeout",
+                    close=True,
+                )
+                return
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")
@@ -124,15 +163,12 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Send, status: int, message: str, code: str) -> None:
+async def _reply(send: Send, status: int, message: str, code: str, close: bool = False) -> None:
     body = _error_body(message, code)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -2,21 +2,20 @@
 
 Built once (``Runtime.load(config)`` or ``Runtime(adapter, config)``) and handed to
 ``create_app``; nothing here is global. The model runs one job at a time on a single worker
-thread; a job is admitted only while fewer than ``queue_size`` wait beside the running one
-(``QueueFullError`` otherwise, a 429). Jobs carry a cancel event, checked before they start and
-between generated tokens.
+thread (``scheduler.py``: admission bounded overall and per tenant, tenants served in turn). Jobs
+carry a cancel event, checked before they start and between generated tokens.
 
 Not here: HTTP, JSON, metrics (``app.py``, ``metrics.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -24,28 +23,18 @@ import torch
 from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
 from agent.loop import Agent, Observation, StepResult
-from agent.server.chat import ByteTokenizer, Message, render
+from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
 from agent.server.generation import Decoded, SamplingParams, decode
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
+from agent.server.scheduler import ModelWorker
 from agent.server.sessions import Session, SessionManager
+from agent.server.token_bound import TokenBound
 from cache.store import StoreConfig, TieredStore
 
 T = TypeVar("T")
 TINY_PREFIX = "tiny:"
-
-
-class QueueFullError(RuntimeError):
-    """The model's queue is full."""
-
-
-class DrainingError(RuntimeError):
-    """The server is shutting down and takes no new work."""
-
-
-class CancelledJobError(RuntimeError):
-    """The client went away before the job started."""
 
 
 class PromptTooLongError(ValueError):
@@ -56,7 +45,9 @@ class PromptTooLongError(ValueError):
 class RuntimeConfig:
     """Everything ``kamera serve`` configures. ``model``: an embedded name, a checkpoint folder, a
     .gguf file, or ``tiny:<family>`` (random weights, for tests); None is the embedded model.
-    ``api_keys``: (key, tenant) pairs; empty means no authentication (one anonymous tenant)."""
+    ``api_keys``: (key, tenant) pairs; empty means no authentication (one anonymous tenant).
+    ``lenient_fields``: unknown request fields are dropped instead of refused; ``public_metrics``:
+    ``/metrics`` answers without a key when keys are set."""
 
     model: str | None = None
     served_name: str | None = None
@@ -67,6 +58,8 @@ class RuntimeConfig:
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     api_keys: tuple[tuple[str, str], ...] = ()
+    lenient_fields: bool = False
+    public_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -77,7 +70,12 @@ class RuntimeConfig:
 
     @property
     def name(self) -> str:
-        return self.served_name or self.model or "smollm2-135m-instruct"
+        """The name clients see: never a filesystem path (a folder or file gives its last part)."""
+        if self.served_name:
+            return self.served_name
+        if self.model is None:
+            return "smollm2-135m-instruct"
+        return Path(self.model).name if "/" in self.model or os.sep in self.model else self.model
 
 
 def load_model(config: RuntimeConfig) -> ModelAdapter:
@@ -100,45 +98,6 @@ class ChatOutcome(NamedTuple):
     total_s: float
 
 
-class ModelWorker:
-    """One thread for the model; admission bounded by ``capacity`` waiting jobs."""
-
-    def __init__(self, queue_size: int) -> None:
-        self.capacity = queue_size + 1  # the running job and those waiting
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kamera-model")
-        self._lock = threading.Lock()
-        self.pending = 0
-        self.closed = False
-
-    def admit(self) -> None:
-        """Take a place in the queue; QueueFullError when there is none. Pair with :meth:`leave`."""
-        with self._lock:
-            if self.closed:
-                raise DrainingError("the server is shutting down")
-            if self.pending >= self.capacity:
-                raise QueueFullError(f"the model queue is full ({self.capacity - 1} waiting); retry shortly")
-            self.pending += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self.pending -= 1
-
-    async def run(self, fn: Callable[[], T], cancel: threading.Event) -> T:
-        """Run ``fn`` on the model thread (after an :meth:`admit`); skipped if cancelled first."""
-
-        def job() -> T:
-            if cancel.is_set():
-                raise CancelledJobError("the client went away before the job started")
-            return fn()
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self.closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-
 class Runtime:
     """What the app serves. Model work goes through :attr:`worker`; the rest is thread-safe."""
 
@@ -150,9 +109,11 @@ class Runtime:
         self.limits = self.config.limits
         self.store = store or TieredStore.from_config(self.config.store)
         self.prompt_cache = PromptCache(adapter, self.store, self.config.prompt_cache)
-        self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s)
-        self.worker = ModelWorker(self.limits.queue_size)
         self.tenants = dict(self.config.api_keys)
+        tenant_sessions, tenant_queue = self.limits.tenant_quotas(len(set(self.tenants.values())))
+        self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s, tenant_sessions)
+        self.worker = ModelWorker(self.limits.queue_size, tenant_queue)
+        self.token_bound = TokenBound.of(adapter.tokenizer)
         self.draining = False
         self.error: str | None = None
         self.started = time.time()
@@ -177,8 +138,8 @@ class Runtime:
             raise
 
     def health(self) -> tuple[bool, str]:
-        if self.error is not None:
-            return False, self.error
+        if self.error is not None:  # the detail (paths included) is in the log, not on /health
+            return False, "the model failed its warm-up"
         if self.draining or self.worker.closed:
             return False, "shutting down"
         return True, "ok"
@@ -199,11 +160,35 @@ class Runtime:
         """The namespace salt of a tenant's (optionally salted) requests."""
         return tenant if not cache_salt else f"{tenant}\x1f{cache_salt}"
 
+    # --- prompt length, checked before the model thread -------------------------------------
+
+    def check_length(self, texts: Sequence[str], limit: int, what: str = "the prompt") -> None:
+        """PromptTooLongError when ``texts`` certainly exceed ``limit`` tokens, from their length
+        alone (no tokenizing; nothing when the tokenizer gives no bound)."""
+        if self.token_bound is None:
+            return
+        least = self.token_bound.min_tokens(texts, limit)
+        if least > limit:
+            raise PromptTooLongError(
+                f"{what} has at least {least} tokens (from its length), over the limit of {limit}"
+            )
+
+    def render(self, messages: Sequence[Message]) -> list[Piece]:
+        """The prompt's pieces, tokenized by the calling thread (not the model's); PromptTooLongError
+        when its text alone exceeds ``max_prompt_tokens``."""
+        pieces = render(self.adapter.tokenizer, messages)
+        n_text = sum(len(p.ids) for p in pieces if isinstance(p, TextPiece))
+        if n_text > self.limits.max_prompt_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {n_text} text tokens, over max_prompt_tokens={self.limits.max_prompt_tokens}"
+            )
+        return pieces
+
     # --- jobs, run on the model thread -------------------------------------------------------
 
     def chat(
         self,
-        messages: Sequence[Message],
+        pieces: Sequence[Piece],
         params: SamplingParams,
         tenant_salt: str,
         cancel: threading.Event,
@@ -211,10 +196,9 @@ class Runtime:
         on_text: Callable[[str], None] | None = None,
         mode: ReuseMode | None = None,
     ) -> ChatOutcome:
-        """Render, plan and prefill the prompt, generate, then store its new chunks."""
+        """Plan and prefill the prompt (from :meth:`render`), generate, then store its new chunks."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pieces = render(self.adapter.tokenizer, messages)
             prompt = build_prompt(self.adapter, pieces, self.prompt_cache.image_unit)
             if prompt.n_tokens > self.limits.max_prompt_tokens:
                 raise PromptTooLongError(

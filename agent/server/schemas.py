@@ -1,42 +1,59 @@
 """Request and response bodies: the OpenAI chat-completions subset we serve, and agent sessions.
 
-Unknown fields of a request are ignored (clients send more than we use); wrong types, unknown
-content-part types and out-of-range values are refused with 400 and the field's location.
+Strict, as OpenAI's API is: an unknown field, a value of the wrong JSON type (``true`` or ``"3"``
+for a number, ``"yes"`` for a boolean), a non-finite number, an unknown content-part type or an
+out-of-range value is refused with 400 naming the field. A server started with
+``--lenient-fields`` ignores unknown fields instead (:data:`LENIENT_FIELDS`, set per request by the
+route, see ``strict.py``); types stay strict either way.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Whether the request being validated may carry unknown fields (dropped), per app.
+LENIENT_FIELDS: ContextVar[bool] = ContextVar("kamera_lenient_fields", default=False)
+
+
+class RequestModel(BaseModel):
+    """A request body (or a part of one): unknown fields and lax coercion refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown(cls, data: Any) -> Any:
+        if LENIENT_FIELDS.get() and isinstance(data, dict):
+            return {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
+
 
 # --- chat completions --------------------------------------------------------------------
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Loose):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Loose):
+class ImageURL(RequestModel):
     url: str = Field(min_length=1)
     detail: str | None = None
 
 
-class ImagePart(_Loose):
+class ImagePart(RequestModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class VideoURL(_Loose):
+class VideoURL(RequestModel):
     url: str = Field(min_length=1)
 
 
-class VideoPart(_Loose):
+class VideoPart(RequestModel):
     type: Literal["video_url"]
     video_url: VideoURL
 
@@ -44,17 +61,17 @@ class VideoPart(_Loose):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
-class ChatMessage(_Loose):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class StreamOptions(_Loose):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Loose):
+class ChatCompletionRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -62,6 +79,9 @@ class ChatCompletionRequest(_Loose):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,6 +91,14 @@ class ChatCompletionRequest(_Loose):
     # "exact" (prefix only, the full prefill's answer bit for bit), "repair", "fast" (blind)
     kamera_reuse: Literal["exact", "repair", "fast"] | None = None
     user: str | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
+    @classmethod
+    def _neutral_only(cls, value: Any) -> Any:
+        # Known OpenAI parameters we do not implement: their neutral value passes, any other is refused.
+        if value:
+            raise ValueError("not supported by this server (only its neutral value: 0, null or {})")
+        return value
 
 
 class AssistantMessage(BaseModel):
@@ -147,7 +175,7 @@ class ErrorResponse(BaseModel):
 # --- agent sessions ---------------------------------------------------------------------
 
 
-class SessionCreate(_Loose):
+class SessionCreate(RequestModel):
     system_prompt: str = Field(default="You are a helpful assistant.", min_length=1)
     budget_tokens: int = Field(default=4096, ge=16)
     policy: Literal["text", "action"] = "text"
@@ -155,18 +183,18 @@ class SessionCreate(_Loose):
     cache_salt: str | None = Field(default=None, max_length=256)
 
 
-class TextObs(_Loose):
+class TextObs(RequestModel):
     type: Literal["text"]
     text: str = Field(min_length=1)
 
 
-class ImageObs(_Loose):
+class ImageObs(RequestModel):
     type: Literal["image"]
     image_url: str = Field(min_length=1)
     label: str = ""
 
 
-class FramesObs(_Loose):
+class FramesObs(RequestModel):
     type: Literal["frames"]
     frames: list[str] = Field(min_length=1)
     timestamps: list[float] | None = None
@@ -175,17 +203,17 @@ class FramesObs(_Loose):
 Observation = Annotated[TextObs | ImageObs | FramesObs, Field(discriminator="type")]
 
 
-class SlideOp(_Loose):
+class SlideOp(RequestModel):
     op: Literal["slide"]
     n: int = Field(default=1, ge=0)
 
 
-class ReorderOp(_Loose):
+class ReorderOp(RequestModel):
     op: Literal["reorder"]
     order: list[str]
 
 
-class RecallOp(_Loose):
+class RecallOp(RequestModel):
     op: Literal["recall"]
     chunk_id: str = Field(min_length=1)
     at: int | None = Field(default=None, ge=1)
@@ -194,7 +222,7 @@ class RecallOp(_Loose):
 WindowOp = Annotated[SlideOp | ReorderOp | RecallOp, Field(discriminator="op")]
 
 
-class StepRequest(_Loose):
+class StepRequest(RequestModel):
     observations: list[Observation] = Field(default_factory=list)
     instruction: str = Field(min_length=1)
     operations: list[WindowOp] = Field(default_factory=list)
