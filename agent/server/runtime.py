@@ -25,7 +25,8 @@ from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
 from agent.loop import Agent, Observation, StepResult
 from agent.server.chat import ByteTokenizer, Message, render
-from agent.server.generation import Decoded, SamplingParams, decode
+from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
+from agent.server.grammar import GrammarEngine
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, build_prompt
@@ -156,6 +157,8 @@ class Runtime:
         self.draining = False
         self.error: str | None = None
         self.started = time.time()
+        self._grammar: GrammarEngine | None = None
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def load(cls, config: RuntimeConfig) -> Runtime:
@@ -164,6 +167,15 @@ class Runtime:
     @property
     def takes_images(self) -> bool:
         return hasattr(self.adapter, "image")
+
+    @property
+    def grammar(self) -> GrammarEngine:
+        """The grammar engine over the model's tokenizer, built on first use (under a second)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                vocab = int(self.adapter.model.get_input_embeddings().weight.shape[0])
+                self._grammar = GrammarEngine(self.adapter.tokenizer, self.adapter.eos_ids, vocab)
+            return self._grammar
 
     # --- health and lifecycle ---------------------------------------------------------------
 
@@ -206,12 +218,16 @@ class Runtime:
         tenant_salt: str,
         cancel: threading.Event,
         on_start: Callable[[], None] | None = None,
-        on_text: Callable[[str], None] | None = None,
+        on_text: TextCallback | None = None,
+        tools: Sequence[dict[str, Any]] = (),
+        grammar: str | None = None,
     ) -> ChatOutcome:
-        """Render, plan and prefill the prompt, generate, then store its new chunks."""
+        """Render, plan and prefill the prompt, generate (under ``grammar``, Lark, when given),
+        then store its new chunks. ``tools``: function definitions rendered into the prompt."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pieces = render(self.adapter.tokenizer, messages)
+            constraint = None if grammar is None else self.grammar.constraint(grammar)
+            pieces = render(self.adapter.tokenizer, messages, tools)
             prompt = build_prompt(self.adapter, pieces, self.prompt_cache.image_unit)
             if prompt.n_tokens > self.limits.max_prompt_tokens:
                 raise PromptTooLongError(
@@ -223,7 +239,14 @@ class Runtime:
                 on_start()
             try:
                 decoded = decode(
-                    self.adapter, prepared.logits, prepared.cache, prepared.position, params, cancel, on_text
+                    self.adapter,
+                    prepared.logits,
+                    prepared.cache,
+                    prepared.position,
+                    params,
+                    cancel,
+                    on_text,
+                    constraint,
                 )
             finally:
                 prepared.cache = None  # the request's own cache is not kept

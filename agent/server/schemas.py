@@ -44,10 +44,69 @@ class VideoPart(_Loose):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+class ToolCallFunction(_Loose):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text of an object
+
+
+class ToolCallIn(_Loose):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Loose):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+
+
+class FunctionDef(_Loose):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ToolDef(_Loose):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Loose):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Loose):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class TextFormat(_Loose):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Loose):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Loose):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(_Loose):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 
 
 class StreamOptions(_Loose):
@@ -68,17 +127,45 @@ class ChatCompletionRequest(_Loose):
     n: int = Field(default=1, ge=1, le=1)
     cache_salt: str | None = Field(default=None, max_length=256)
     user: str | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
 
 
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
