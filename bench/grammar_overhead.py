@@ -135,7 +135,7 @@ def summary(times: list[float]) -> dict[str, float]:
 
 def unpack_ms(vocab: int, repeats: int = 200) -> float:
     """Bitmask to a boolean over the vocabulary, as generation.py applies it."""
-    from agent.server.grammar import unpack_bitmask
+    from agent.grammar import unpack_bitmask
 
     mask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32)
     t0 = time.perf_counter()

@@ -33,12 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.context import RecallError
+from agent.grammar import GrammarError
 from agent.loop import FramesObservation, ImageObservation, Observation, StepResult, TextObservation
 from agent.server import schemas as S
 from agent.server.chat import Message as ChatMsg
 from agent.server.chat import TemplateError, takes_tools
 from agent.server.generation import SamplingParams, TokenLogprob
-from agent.server.grammar import GrammarError
 from agent.server.limits import BodyLimitMiddleware
 from agent.server.media import BadMediaError, MediaLimitError, load_image_url, load_video_url
 from agent.server.metrics import Metrics

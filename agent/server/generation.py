@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.server.grammar import Constraint, GrammarError
+from agent.grammar import Constraint, GrammarError
 
 FinishReason = Literal["stop", "length", "cancelled"]
 MAX_TOP_LOGPROBS = 20

@@ -23,10 +23,10 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
+from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
 from agent.server.chat import ByteTokenizer, Message, render
 from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
-from agent.server.grammar import GrammarEngine
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, build_prompt

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent.grammar import schema_rule
 from agent.server import schemas as S
 from agent.server.generation import TokenLogprob
-from agent.server.grammar import schema_rule
 from agent.server.tools import Tool, ToolCall, ToolError, call_grammar, check_history, check_tools
 
 

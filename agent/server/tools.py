@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.server.grammar import lark_string, schema_rule
+from agent.grammar import lark_string, schema_rule
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _INTRO = (

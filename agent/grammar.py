@@ -10,8 +10,8 @@ SmolLM2's 49,152 tokens); :meth:`GrammarEngine.constraint` compiles one request'
 JSON is generated in one layout (``", "`` and ``": "``, no newlines): a small model given free
 whitespace can spend its whole budget on it.
 
-Not here: which grammar a request gets (``app.py``, ``tools.py``, ``agent/policies.py``) or how
-the mask meets the logits (``generation.py``).
+Not here: which grammar a request gets (``server/structured.py``, ``policies.py``) or how the
+mask meets the logits (``server/generation.py``, ``ModelAdapter.generate``).
 """
 
 from __future__ import annotations
@@ -131,25 +131,34 @@ def _is_fast_hf(tokenizer: Any) -> bool:
 
 
 class _ByteTable:
-    """llguidance's view of :class:`~agent.server.chat.ByteTokenizer` (the tiny models'): ids
-    4..259 are the bytes 0..255, the named specials are their markers, the rest unused."""
+    """llguidance's view of a byte tokenizer (the tiny models' ``ByteTokenizer`` classes): UTF-8
+    bytes as consecutive ids from an offset, named specials (``specials`` or ``SPECIAL``) below or
+    above them, everything else unused. Any other kind of tokenizer is a GrammarError."""
 
     def __init__(self, tokenizer: Any, eos: int) -> None:
-        specials: dict[int, str] = {i: s for s, i in getattr(tokenizer, "specials", {}).items()}
-        n = 1 + max([*specials, *range(260)])
+        self._tokenizer = tokenizer
+        offset = self(b"A")[0] - ord("A")
+        if self("\u00ff")[:2] != [offset + 0xC3, offset + 0xBF]:
+            raise GrammarError(f"no grammar support for the tokenizer {type(tokenizer).__name__}")
+        named = getattr(tokenizer, "specials", None) or getattr(tokenizer, "SPECIAL", {})
+        specials: dict[int, str] = {i: s for s, i in named.items()}
+        n = 1 + max([*specials, offset + 255])
         self.tokens: Sequence[bytes] = [
-            specials[i].encode() if i in specials else (bytes([i - 4]) if 4 <= i < 260 else b"<unused>")
+            specials[i].encode()
+            if i in specials
+            else bytes([i - offset])
+            if offset <= i < offset + 256
+            else f"<unused {i}>".encode()
             for i in range(n)
         ]
-        self.special_token_ids = [i for i in range(n) if i in specials or i < 4]
+        self.special_token_ids = [i for i in range(n) if not offset <= i < offset + 256]
         self.eos_token_id = eos
-        self.bos_token_id = 0
-        self._tokenizer = tokenizer
+        self.bos_token_id = None
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text))
+        return [int(i) for i in self._tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def _first_line(message: str) -> str:
