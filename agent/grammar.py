@@ -97,14 +97,24 @@ class GrammarEngine:
     """The token table of one tokenizer, shared by every request's :class:`Constraint`."""
 
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int], vocab: int) -> None:
+        """GrammarError if llguidance cannot read the tokenizer (e.g. a word-level one)."""
         eos = sorted(eos_ids)
         self.vocab = vocab
-        if _is_fast_hf(tokenizer):
-            self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
-        else:
-            self._tok = llguidance.LLTokenizer(
-                llguidance.TokenizerWrapper(_ByteTable(tokenizer, eos[0])), n_vocab=vocab, eos_token=eos
-            )
+        try:
+            if _is_fast_hf(tokenizer):
+                self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+            else:
+                table = llguidance.TokenizerWrapper(_ByteTable(tokenizer, eos[0]))
+                self._tok = llguidance.LLTokenizer(table, n_vocab=vocab, eos_token=eos)
+        except (ValueError, RuntimeError) as e:
+            raise GrammarError(f"no grammar support for this model's tokenizer: {e}") from None
+
+    @classmethod
+    def for_adapter(cls, adapter: Any) -> GrammarEngine:
+        """The engine of a model adapter's tokenizer, end tokens and vocabulary (its embedding
+        rows, which may pad the tokenizer's)."""
+        vocab = int(adapter.model.get_input_embeddings().weight.shape[0])
+        return cls(adapter.tokenizer, adapter.eos_ids, vocab)
 
     def constraint(self, grammar: str) -> Constraint:
         """Compile ``grammar`` (Lark, see :func:`json_schema_grammar`); GrammarError if it fails."""

@@ -134,9 +134,11 @@ class Agent:
         max_new_tokens: int = 64,
         finalize: bool = True,
         constrain: bool = True,
+        grammar: GrammarEngine | None = None,
     ) -> None:
         """``constrain``: decode under the policy's grammar (if it has one); False lets the model
-        write freely (its replies may then not parse)."""
+        write freely (its replies may then not parse). ``grammar``: an engine over the model's
+        tokenizer to share (built on the first constrained step otherwise)."""
         self.adapter = adapter
         self.chat = chat or ChatML()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -144,7 +146,7 @@ class Agent:
         self.max_new_tokens = max_new_tokens
         self.auto_finalize = finalize
         self.constrain = constrain
-        self._grammar: GrammarEngine | None = None
+        self._grammar = grammar
         self.context = ContextManager(
             adapter, self.store, window or WindowConfig(), self._text(self.chat.system(system_prompt))
         )
@@ -216,8 +218,7 @@ class Agent:
         if grammar is None:
             return None
         if self._grammar is None:  # the token table is built once per agent
-            vocab = int(self.adapter.model.get_input_embeddings().weight.shape[0])  # type: ignore[attr-defined]
-            self._grammar = GrammarEngine(self.adapter.tokenizer, self.adapter.eos_ids, vocab)
+            self._grammar = GrammarEngine.for_adapter(self.adapter)
         return self._grammar.constraint(grammar)
 
     def _record_turn(self, prompt: TextInput, generated: list[int], cache: Any, start: int) -> None:

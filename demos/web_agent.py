@@ -42,6 +42,7 @@ from typing import Any
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError
 from agent.context import ContextManager, WindowConfig
+from agent.grammar import GrammarError
 from agent.loop import Agent, encoder_calls
 from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
 from demos.report import render_run
@@ -367,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(args)
     except (UsageError, BrowserError, ModelNotFoundError, UnsupportedModelError) as e:
         print(f"kamera web-agent: error: {e}", file=sys.stderr)
+        return 2
+    except GrammarError as e:
+        print(f"kamera web-agent: error: {e} (--no-grammar decodes freely)", file=sys.stderr)
         return 2
     print_summary(summary)
     if args.json:

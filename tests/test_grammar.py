@@ -107,3 +107,14 @@ def test_random_model_decodes_valid_json_under_a_schema(
         assert len(values) == 3
         assert values == sorted(values, reverse=True)
         assert lp.logprob <= values[0] + 1e-6
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_grammar_error() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, "[UNK]"))
+    )
+    with pytest.raises(GrammarError, match="no grammar support"):
+        GrammarEngine(words, [0], 2)

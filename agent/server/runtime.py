@@ -173,8 +173,7 @@ class Runtime:
         """The grammar engine over the model's tokenizer, built on first use (under a second)."""
         with self._grammar_lock:
             if self._grammar is None:
-                vocab = int(self.adapter.model.get_input_embeddings().weight.shape[0])
-                self._grammar = GrammarEngine(self.adapter.tokenizer, self.adapter.eos_ids, vocab)
+                self._grammar = GrammarEngine.for_adapter(self.adapter)
             return self._grammar
 
     # --- health and lifecycle ---------------------------------------------------------------
@@ -265,6 +264,7 @@ class Runtime:
                 store=self.store,
                 policy=policy,
                 max_new_tokens=max_tokens,
+                grammar=self.grammar if policy == "action" else None,
             )
 
     def step(
