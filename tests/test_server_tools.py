@@ -159,3 +159,19 @@ def test_top_logprobs_over_twenty_is_refused(base_url: str) -> None:
 def test_a_schema_answer_validates_with_jsonschema(client: Any) -> None:
     text = bench.json_schema_answer(client, "Review a bicycle.", seed=7, max_tokens=160)
     jsonschema.validate(json.loads(text), bench.SCHEMA)
+
+
+def test_an_action_session_answers_under_the_action_grammar(base_url: str) -> None:
+    short = httpx.post(base_url + "/v1/sessions", json={"policy": "action", "max_tokens": 8}, timeout=60)
+    assert short.status_code == 400
+    made = httpx.post(base_url + "/v1/sessions", json={"policy": "action", "max_tokens": 24}, timeout=120)
+    assert made.status_code == 201, made.text
+    sid = made.json()["id"]
+    obs = [{"type": "text", "text": "The page shows a search box at (120, 40) and a Go button."}]
+    r = httpx.post(
+        base_url + f"/v1/sessions/{sid}/steps",
+        json={"observations": obs, "instruction": "Reply with one action."},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["parsed"]["type"] == "action", r.json()

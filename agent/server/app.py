@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent.context import RecallError
 from agent.grammar import GrammarError
 from agent.loop import FramesObservation, ImageObservation, Observation, StepResult, TextObservation
+from agent.policies import MIN_ACTION_TOKENS
 from agent.server import schemas as S
 from agent.server.chat import Message as ChatMsg
 from agent.server.chat import TemplateError, takes_tools
@@ -668,6 +669,14 @@ def create_app(runtime: Runtime) -> FastAPI:
             )
         if body.max_tokens > limits.max_tokens:
             raise ApiError(400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens")
+        if body.policy == "action" and body.max_tokens < MIN_ACTION_TOKENS:
+            raise ApiError(
+                400,
+                f"an action session needs max_tokens >= {MIN_ACTION_TOKENS} (its replies are decoded "
+                "under the action grammar)",
+                "max_tokens",
+                param="max_tokens",
+            )
         try:
             runtime.sessions.reserve()
         except SessionLimitError as exc:
