@@ -257,6 +257,24 @@ def image_key(
     )
 
 
+def span_key(namespace: Namespace, parts: Sequence[np.ndarray | str]) -> ContentKey:
+    """Key of a span of a prompt in ``namespace``: its text parts as token ids ``[T]`` and its
+    images as their content keys (hex strings), in order. Adjacent text parts hash as one, so the
+    key does not depend on how the text was split."""
+    frames, text = [], []
+    for part in parts:
+        if isinstance(part, str):
+            if text:
+                frames.append(_frame(b"t", b"".join(text)))
+                text = []
+            frames.append(_frame(b"i", part.encode()))
+        else:
+            text.append(token_bytes(part))
+    if text:
+        frames.append(_frame(b"t", b"".join(text)))
+    return _key("span", [_frame(b"n", namespace.encoded), *frames])
+
+
 def chain_key(parent: ContentKey | None, child: ContentKey) -> ContentKey:
     """Key of a prefix ending in ``child``: depends on every key before it through ``parent``."""
     return _key(

@@ -17,6 +17,12 @@ MLA stores the latent, never the per-head K/V that ``kv_b_proj`` expands from it
 where an image spans a grid and the text after it resumes at ``max(position) + 1``. So a
 chunk's ``extent`` (how far it moves the next chunk's start) is not always ``n_tokens``.
 
+``placed_at``: ``None`` for keys in the pre-RoPE frame; a start ``s`` for keys kept exactly as the
+model rotated them with the chunk at ``s`` (post-RoPE, attention scaling included). Such a chunk
+is still movable anywhere, by ``R(start - s)`` (:func:`cache.rope.relocate`), and placing it back
+at ``s`` copies its keys bit for bit: un-rotating and rotating again would round, and an exact
+prefix must reproduce a full prefill's cache exactly.
+
 Not here: how a model produces or consumes these tensors (``agent/adapters``), patches
 (``cache/patch.py``) or storage (``cache/store``).
 """
@@ -29,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from cache.rope import RopeSpec, rotate, rotate_many
+from cache.rope import RopeSpec, relocate, rotate, rotate_many
 
 Family = Literal["gqa", "mla"]
 
@@ -43,6 +49,7 @@ class ChunkKV:
     positions: torch.Tensor
     extent: int
     family: Family = "gqa"
+    placed_at: int | None = None  # None: k pre-RoPE; s: k post-RoPE as placed at start s
 
     def __post_init__(self) -> None:
         if self.family not in ("gqa", "mla"):
@@ -69,6 +76,8 @@ class ChunkKV:
             raise ValueError("chunk positions count from 0")
         if self.extent < (int(self.positions.max()) + 1 if n else 0):
             raise ValueError(f"extent {self.extent} is smaller than the chunk's largest position + 1")
+        if self.placed_at is not None and self.placed_at < 0:
+            raise ValueError(f"placed_at must be a start >= 0, got {self.placed_at}")
 
     @property
     def n_tokens(self) -> int:
@@ -87,8 +96,13 @@ class ChunkKV:
         return self.positions + start
 
     def place(self, start: int, spec: RopeSpec, kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE ``(k, v)`` for the chunk at ``start``: k rotated, v shared, not copied."""
-        return rotate(self.k, self.placed_positions(start), spec, kernel), self.v
+        """Post-RoPE ``(k, v)`` for the chunk at ``start``: k rotated (or, for a chunk already
+        placed there, shared as it is), v shared, not copied."""
+        if self.placed_at is None:
+            return rotate(self.k, self.placed_positions(start), spec, kernel), self.v
+        if start == self.placed_at:
+            return self.k, self.v
+        return relocate(self.k, start - self.placed_at, spec, kernel), self.v
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ChunkKV:
         return ChunkKV(
@@ -97,6 +111,20 @@ class ChunkKV:
             positions=self.positions.to(device=device),
             extent=self.extent,
             family=self.family,
+            placed_at=self.placed_at,
+        )
+
+    def sliced(self, t0: int, t1: int, p0: int, extent: int) -> ChunkKV:
+        """Tokens ``[t0, t1)``, positions counted from ``p0`` (their own start): a view, no copy."""
+        if t0 == 0 and t1 == self.n_tokens and p0 == 0:
+            return self
+        return ChunkKV(
+            self.k[:, :, t0:t1],
+            self.v[:, :, t0:t1],
+            self.positions[..., t0:t1] - p0,
+            extent,
+            self.family,
+            None if self.placed_at is None else self.placed_at + p0,
         )
 
 
@@ -108,7 +136,8 @@ def place_window(
 
     Each chunk's keys are rotated straight into its slice of the buffer (all of them in one
     :func:`~cache.rope.rotate_many`), so a window costs one write of its keys and one copy of
-    its values, not a rotated copy per chunk and a concatenation after.
+    its values, not a rotated copy per chunk and a concatenation after. A chunk already placed
+    (``placed_at``) is copied where it starts there and relocated by the difference elsewhere.
     """
     if not chunks:
         raise ValueError("no chunks to place")
@@ -119,10 +148,17 @@ def place_window(
     rotations, at = [], 0
     for kv, start in chunks:
         n = kv.n_tokens
-        rotations.append((kv.k, kv.placed_positions(start), k[:, :, at : at + n]))
+        out = k[:, :, at : at + n]
+        if kv.placed_at is None:
+            rotations.append((kv.k, kv.placed_positions(start), out))
+        elif kv.placed_at == start:
+            out.copy_(kv.k)
+        else:
+            relocate(kv.k, start - kv.placed_at, spec, kernel, out)
         v[:, :, at : at + n] = kv.v
         at += n
-    rotate_many(rotations, spec, kernel)
+    if rotations:
+        rotate_many(rotations, spec, kernel)
     return k, v
 
 

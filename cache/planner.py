@@ -157,20 +157,27 @@ class Planner:
         return PlannedChunk(s, e, key, "relocated-hit", entry.source_start, entry.payload)
 
     def commit(
-        self, plan: Plan, tokens: Sequence[int] | np.ndarray | torch.Tensor, payload: object
+        self,
+        plan: Plan,
+        tokens: Sequence[int] | np.ndarray | torch.Tensor,
+        payload: object,
+        prefix_len: int | None = None,
     ) -> CommitResult:
         """Record that ``payload`` now holds the KV of all of ``tokens`` (the planned prompt).
 
         Misses and prefix pieces become content entries at their positions in ``payload``;
-        relocated hits keep their existing entries.
+        relocated hits keep their existing entries. ``prefix_len``: only the first tokens enter
+        the radix tree (those whose KV is what a full prefill computes); all by default.
         """
         ids = as_token_array(tokens)
         if len(ids) != plan.n_tokens:
             raise ValueError(f"plan covers {plan.n_tokens} tokens, got {len(ids)}")
-        ins = self.radix.insert(RadixKey(ids, self._root_key), payload)
+        n = len(ids) if prefix_len is None else max(0, min(prefix_len, len(ids)))
+        ins = self.radix.insert(RadixKey(ids[:n], self._root_key), payload) if n else None
         stored = [c for c in plan.chunks if c.status != "relocated-hit"]
         done = self.index.insert_many(
             [c.key for c in stored], ids, [(c.start, c.end) for c in stored], payload
         )
         statuses = [r.status for r in done]
-        return CommitResult(ins.new_tokens, statuses.count("miss"), statuses.count("collision"))
+        new = ins.new_tokens if ins is not None else 0
+        return CommitResult(new, statuses.count("miss"), statuses.count("collision"))

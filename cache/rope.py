@@ -459,10 +459,16 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.
     return apply_rotation(x, cos * inv, sin * -inv, spec)
 
 
-def relocate(x: torch.Tensor, delta: int, spec: RopeSpec, kernel: str = "auto") -> torch.Tensor:
+def relocate(
+    x: torch.Tensor, delta: int, spec: RopeSpec, kernel: str = "auto", out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Move rotated keys ``[..., T, D]`` by ``delta`` positions (all M-RoPE axes alike).
 
-    One angle per frequency for every token: ``R(p + delta) = R(delta) R(p)``.
+    One angle per frequency for every token: ``R(p + delta) = R(delta) R(p)``; a magnitude the
+    keys already carry (``attention_scaling``) is not applied again. ``out`` as in :func:`rotate`.
     """
     a = torch.tensor(spec.inv_freq, dtype=torch.float64, device=x.device) * float(delta)
-    return apply_rotation(x, a.cos().to(torch.float32), a.sin().to(torch.float32), spec, kernel)
+    n = x.shape[-2]
+    cos = a.cos().to(torch.float32).expand(n, -1).contiguous()  # [T, rotary_dim // 2]
+    sin = a.sin().to(torch.float32).expand(n, -1).contiguous()
+    return apply_rotation(x, cos, sin, spec, kernel, out)

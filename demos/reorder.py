@@ -1,24 +1,34 @@
-"""``kamera demo``: text chunks encoded once, reordered by rotation alone, a question answered.
+"""``kamera demo``: documents reused at new positions through the server's prompt cache, with
+the answer of each reuse mode beside a full prefill's.
 
-The pinned prefix (system prompt) is prefilled once at position 0. Each document chunk is
-encoded on its own (its canonical, position-free KV). The chunks are then put in a different
-order: every chunk's keys are rotated to its new start, nothing is re-encoded, and only the
-question is prefilled. A full re-prefill of the same reordered prompt runs beside it, so the
-answer and the time to first token can be compared.
+A first request asks about three documents in one order; its KV is stored. A second request
+puts the same documents in another order. It is answered through the same prompt cache that
+``kamera serve`` runs, once per reuse mode: ``fast`` moves every document's stored KV by
+rotation alone (blind: what each absorbed from the documents before it stays wrong), ``repair``
+moves them and recomputes the share of their tokens that deviates most in this context,
+``exact`` reuses only the exact prefix (the system prompt) and prefills the rest. A full
+prefill of the reordered prompt is the reference: the table shows what each mode reused,
+recomputed and answered, and whether the answer is the full prefill's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.loading import load_adapter
+from agent.server.chat import Message, render
+from agent.server.generation import SamplingParams, decode
+from agent.server.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
+from cache.store import StoreConfig, TieredStore
 
 SYSTEM = "You are a helpful assistant. Answer from the documents, in a few words."
 DOCUMENTS = [
@@ -43,102 +53,101 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     console = Console()
+    order = [int(i) for i in args.order.split(",")]
+    if sorted(order) != list(range(len(DOCUMENTS))):
+        parser.error(f"--order must be a permutation of 0..{len(DOCUMENTS) - 1}")
 
     t0 = time.perf_counter()
     adapter = load_adapter(args.model)
-    tok = adapter.tokenizer
     console.print(
         f"[bold]model[/] {adapter.info.name} ({adapter.info.architecture}, {adapter.info.family}, "
         f"{adapter.info.n_layers} layers) loaded in {time.perf_counter() - t0:.1f} s"
     )
+    params = SamplingParams(max_tokens=args.max_new_tokens)
 
-    def ids(text: str) -> torch.Tensor:
-        return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+    def messages(docs: Sequence[str]) -> list[Message]:
+        return [Message("system", (SYSTEM,)), Message("user", (*[d + "\n" for d in docs], args.question))]
 
-    head = ids(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n")
-    docs = [ids(d + "\n") for d in DOCUMENTS]
-    question = ids(f"Question: {args.question}<|im_end|>\n<|im_start|>assistant\n")
-    order = [int(i) for i in args.order.split(",")]
-    if sorted(order) != list(range(len(docs))):
-        parser.error(f"--order must be a permutation of 0..{len(docs) - 1}")
-
-    # The prefix sits at position 0 for good: prefilled once, reused as-is.
-    prefix_kv = adapter.encode(adapter.text(head))
-    encoded, encode_ms = [], []
-    original_start, start = [], prefix_kv.extent
-    for d in docs:  # each document alone: its canonical KV, no position baked in
+    def answer(pc: PromptCache, docs: Sequence[str], salt: str, mode: Any) -> dict[str, Any]:
+        prompt = build_prompt(adapter, render(adapter.tokenizer, messages(docs)), pc.image_unit)
         t = time.perf_counter()
-        encoded.append(adapter.encode(adapter.text(d)))
-        encode_ms.append(1000 * (time.perf_counter() - t))
-        original_start.append(start)
-        start += encoded[-1].extent
+        prepared = pc.prepare(prompt, salt, mode)
+        out = decode(adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
+        ttft_ms = 1000 * (out.first_token_at - t)
+        pc.commit(prepared)
+        u = prepared.usage
+        return {
+            "mode": mode,
+            "answer": adapter.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
+            "tokens": out.tokens,
+            "prompt_tokens": u.prompt_tokens,
+            "exact_tokens": u.prefix_tokens,
+            "content_tokens": u.relocated_tokens,
+            "repair_recomputed_tokens": u.repaired_tokens,
+            "prefilled_tokens": u.prefilled_tokens,
+            "rotated_tokens": u.rotated_tokens,
+            "ttft_ms": ttft_ms,
+        }
 
-    # Reorder: rotate every chunk to its new start; only the question is prefilled.
-    t = time.perf_counter()
-    placed = [prefix_kv.place(0, adapter.spec)]
-    new_start, start = {}, prefix_kv.extent
-    for i in order:
-        placed.append(encoded[i].place(start, adapter.spec))
-        new_start[i] = start
-        start += encoded[i].extent
-    cache = adapter.assemble(placed)
-    assemble_ms = 1000 * (time.perf_counter() - t)
-    reused = adapter.generate(adapter.text(question), cache, start, args.max_new_tokens)
-
-    # The reference: the same reordered prompt prefilled from scratch.
-    full = torch.cat([head, *(docs[i] for i in order), question])
-    reference = adapter.generate(adapter.text(full), adapter.empty_cache(), 0, args.max_new_tokens)
-
-    table = Table(title="chunks: encoded once, moved by rotation")
-    for col in ("chunk", "tokens", "first start", "placed at", "rotated by", "recomputed"):
-        table.add_column(col, justify="right")
-    table.add_row("system prefix", str(prefix_kv.n_tokens), "0", "0", "0", "no (exact prefix)")
-    for i in order:
-        table.add_row(
-            f"document {i + 1}",
-            str(encoded[i].n_tokens),
-            str(original_start[i]),
-            str(new_start[i]),
-            f"{new_start[i] - original_start[i]:+d}",
-            "no",
+    reordered = [DOCUMENTS[i] for i in order]
+    rows = []
+    with torch.inference_mode():
+        reference = answer(
+            PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20))),
+            reordered,
+            "",
+            "exact",
         )
-    table.add_row("question", str(len(question)), "-", str(start), "-", "yes (prefilled)")
-    console.print(table)
+        for mode in ("fast", "repair", "exact"):
+            # each mode starts from the same stored first request, documents in their first order
+            pc = PromptCache(
+                adapter, TieredStore.from_config(StoreConfig(host_bytes=256 << 20)), PromptCacheConfig()
+            )
+            answer(pc, DOCUMENTS, "", "exact")
+            rows.append(answer(pc, reordered, "", mode))
 
-    reused_tokens = prefix_kv.n_tokens + sum(e.n_tokens for e in encoded)
-    answer_reused = tok.decode(reused.tokens, skip_special_tokens=True).strip()
-    answer_full = tok.decode(reference.tokens, skip_special_tokens=True).strip()
-    ttft_reused = 1000 * reused.first_token_s + assemble_ms
-    ttft_full = 1000 * reference.first_token_s
+    table = Table(title=f"documents reordered to {args.order}: each reuse mode against a full prefill")
+    for col in (
+        "mode",
+        "reused exactly",
+        "reused by content",
+        "repair recomputed",
+        "prefilled",
+        "TTFT ms",
+        "answer",
+        "= full prefill",
+    ):
+        table.add_column(col, justify="right" if col not in ("answer", "mode") else "left")
+    for r in rows:
+        table.add_row(
+            r["mode"],
+            str(r["exact_tokens"]),
+            str(r["content_tokens"]),
+            str(r["repair_recomputed_tokens"]),
+            str(r["prefilled_tokens"]),
+            f"{r['ttft_ms']:.0f}",
+            repr(r["answer"]),
+            "yes" if r["tokens"] == reference["tokens"] else "no",
+        )
+    table.add_row(
+        "full prefill",
+        "0",
+        "0",
+        "0",
+        str(reference["prefilled_tokens"]),
+        f"{reference['ttft_ms']:.0f}",
+        repr(reference["answer"]),
+        "-",
+    )
     console.print(f"[bold]question[/] {args.question}")
-    console.print(f"[bold]answer from relocated cache[/]  {answer_reused!r}")
+    console.print(table)
     console.print(
-        f"[bold]answer from full re-prefill[/]  {answer_full!r}  "
-        f"({'same' if reused.tokens == reference.tokens else 'different'})"
-    )
-    console.print(
-        f"reused {reused_tokens} tokens by rotation, prefilled {len(question)} question tokens; "
-        f"time to first token {ttft_reused:.0f} ms (assembly {assemble_ms:.1f} ms) against "
-        f"{ttft_full:.0f} ms for the re-prefill of {len(full)} tokens"
-    )
-    console.print(
-        "[dim]Blind relocation drops what each document absorbed from those before it; "
-        "conditioning patches restore it.[/]"
+        "[dim]fast: stored KV moved by rotation alone; repair: moved, and the tokens whose layer-1 "
+        "KV deviates most in this context recomputed through every layer; exact: only the exact "
+        "prefix reused. The server's default is set by --reuse-mode.[/]"
     )
     if args.json_path:
-        report = {
-            "model": adapter.info.name,
-            "order": order,
-            "tokens_reused": reused_tokens,
-            "tokens_prefilled": len(question),
-            "answer_relocated": answer_reused,
-            "answer_reprefill": answer_full,
-            "same_answer": reused.tokens == reference.tokens,
-            "ttft_ms_relocated": ttft_reused,
-            "ttft_ms_reprefill": ttft_full,
-            "assemble_ms": assemble_ms,
-            "encode_ms": encode_ms,
-        }
+        report = {"model": adapter.info.name, "order": order, "reference": reference, "modes": rows}
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0

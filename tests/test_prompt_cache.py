@@ -58,24 +58,94 @@ def chat(first: str, question: str = "What?") -> list[Message]:
     return [Message("system", (f"{first}\n{DOC}",)), Message("user", (question,))]
 
 
-def test_exact_prefix_reuse_matches_full_prefill(llama: Any) -> None:
+def greedy(pc: PromptCache, prepared: Any, n: int = 12) -> list[int]:
+    params = SamplingParams(max_tokens=n)
+    out = decode(pc.adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
+    return out.tokens
+
+
+def layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_exact_prefix_reuse_is_bit_identical_to_a_full_prefill(llama: Any) -> None:
     pc = make_cache(llama)
     prompt = prompt_of(pc, chat("Today"))
     cold = pc.prepare(prompt)
     pc.commit(cold)
     assert cold.usage.cached_tokens == 0
     assert cold.usage.prefilled_tokens == prompt.n_tokens
-    warm = pc.prepare(prompt)
-    assert warm.usage.prefix_tokens == prompt.n_tokens - 1  # the last token is always prefilled
-    reference = full_prefill_logits(llama, prompt)
-    torch.testing.assert_close(warm.logits, reference, atol=1e-4, rtol=1e-4)
+    warm = pc.prepare(prompt, mode="exact")
+    block = pc.config.block_tokens
+    # cut back to the last segment edge before the last token; only that segment is prefilled
+    assert warm.usage.prefix_tokens == (prompt.n_tokens - 1) // block * block
+    assert warm.usage.prefilled_tokens == prompt.n_tokens - warm.usage.prefix_tokens
+    fresh = pc.prepare(prompt, "a fresh salt")  # nothing to reuse: the full prefill
+    assert fresh.usage.cached_tokens == 0
+    assert torch.equal(warm.logits, fresh.logits)
+    for (k1, v1), (k2, v2) in zip(layer_kv(warm.cache), layer_kv(fresh.cache), strict=True):
+        assert torch.equal(k1, k2)
+        assert torch.equal(v1, v2)
+    assert greedy(pc, warm) == greedy(pc, fresh)
+    # the segmented prefill is the model's own one-pass prefill to float rounding
+    torch.testing.assert_close(fresh.logits, full_prefill_logits(llama, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_an_appended_conversation_reuses_exactly_in_every_mode(llama: Any) -> None:
+    pc = make_cache(llama)
+    first = [Message("system", (DOC,)), Message("user", ("What does line 3 say?",))]
+    pc.commit(pc.prepare(prompt_of(pc, first)))
+    turn = [*first, Message("assistant", ("It says 9.",)), Message("user", ("And line 4?",))]
+    prompt = prompt_of(pc, turn)
+    reference = pc.prepare(prompt, "reference")
+    for mode in ("exact", "repair", "fast"):
+        warm = pc.prepare(prompt, mode=mode)
+        assert warm.usage.mode == mode
+        assert warm.usage.prefix_tokens > 0.8 * prompt.n_tokens
+        if mode != "fast":  # no template fragment is reused blind at a moved position
+            assert warm.usage.relocated_tokens == 0
+            assert torch.equal(warm.logits, reference.logits)
+
+
+def test_the_exact_prefix_is_found_by_its_keys_without_the_indexes(llama: Any) -> None:
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Restart"))
+    pc.commit(pc.prepare(prompt))
+    later = PromptCache(llama, pc.store, CONFIG)  # a restarted server, or a replica, on the same store
+    warm = later.prepare(prompt, mode="exact")
+    assert warm.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
+    assert torch.equal(warm.logits, later.prepare(prompt, "reference").logits)
+    assert later.prepare(prompt, "another tenant").usage.cached_tokens == 0
+
+
+def test_moved_content_is_found_by_its_alias_without_the_indexes(llama: Any) -> None:
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    later = PromptCache(llama, pc.store, CONFIG)  # another replica on the same store
+    moved = prompt_of(later, chat("Now: a much longer first line, which shifts all that follows"))
+    warm = later.prepare(moved, mode="fast")
+    assert warm.usage.relocated_tokens > 0.5 * len(DOC)
+    assert later.prepare(moved, mode="exact").usage.relocated_tokens == 0
+    assert PromptCache(llama, pc.store, CONFIG).prepare(moved, "other", mode="fast").usage.cached_tokens == 0
+
+
+def test_prefix_hits_never_come_from_an_approximate_record(llama: Any) -> None:
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    moved = prompt_of(pc, chat("Now: a much longer first line, which shifts all that follows"))
+    fast = pc.prepare(moved, mode="fast")
+    assert fast.usage.relocated_tokens > 0
+    pc.commit(fast)  # its KV after the moved chunks is approximate: not in the radix tree
+    again = pc.prepare(moved, mode="exact")
+    assert again.usage.relocated_tokens == 0
+    assert torch.equal(again.logits, pc.prepare(moved, "reference").logits)
 
 
 def test_moved_content_is_relocated(llama: Any) -> None:
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
     moved = prompt_of(pc, chat("Now: a much longer first line, which shifts all that follows"))
-    warm = pc.prepare(moved)
+    warm = pc.prepare(moved, mode="fast")
     u = warm.usage
     assert u.relocated_tokens > 0.8 * len(DOC)
     assert u.rotated_tokens == u.relocated_tokens
@@ -83,6 +153,20 @@ def test_moved_content_is_relocated(llama: Any) -> None:
     # blind reuse changes the logits a little, not wholesale
     reference = full_prefill_logits(llama, moved)
     assert float((warm.logits - reference).abs().max()) < 0.1 * float(reference.abs().max())
+
+
+def test_repair_recomputes_small_pieces_and_repairs_large_ones(llama: Any) -> None:
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    moved = prompt_of(pc, chat("Now: a much longer first line, which shifts all that follows"))
+    reference = pc.prepare(moved, "reference").logits
+    fast, repair = pc.prepare(moved, mode="fast"), pc.prepare(moved, mode="repair")
+    assert 0 < repair.usage.relocated_tokens <= fast.usage.relocated_tokens
+    ratio = pc.config.repair_ratio
+    assert 0 < repair.usage.repaired_tokens <= round(ratio * repair.usage.relocated_tokens) + 1
+    err_fast = float((fast.logits - reference).abs().max())
+    err_repair = float((repair.logits - reference).abs().max())
+    assert err_repair < err_fast
 
 
 def test_lost_store_entries_are_prefilled_again(llama: Any) -> None:
@@ -96,7 +180,15 @@ def test_lost_store_entries_are_prefilled_again(llama: Any) -> None:
     assert warm.usage.cached_tokens == 0
     torch.testing.assert_close(warm.logits, full_prefill_logits(llama, prompt), atol=1e-4, rtol=1e-4)
     pc.commit(warm)
-    assert pc.prepare(prompt).usage.prefix_tokens == prompt.n_tokens - 1
+    assert pc.prepare(prompt).usage.prefix_tokens == (prompt.n_tokens - 1) // 128 * 128
+
+
+def test_an_unknown_reuse_mode_is_refused(llama: Any) -> None:
+    pc = make_cache(llama)
+    with pytest.raises(ValueError, match="reuse mode"):
+        pc.prepare(prompt_of(pc, chat("x")), mode="bold")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reuse mode"):
+        PromptCacheConfig(mode="bold")  # type: ignore[arg-type]
 
 
 def test_tenants_never_share(llama: Any) -> None:
@@ -121,11 +213,12 @@ def test_images_are_atomic_units_found_by_content(qwen_vl: Any) -> None:
     assert first.n_tokens == len(first.units) + image.n_tokens - 1
     pc.commit(pc.prepare(first))
     calls = qwen_vl.vision_encoder_calls
-    moved = pc.prepare(
-        prompt_of(pc, [Message("system", ("a new system prompt",)), Message("user", ("look", a, "now"))])
-    )
+    later = prompt_of(pc, [Message("system", ("a new system prompt",)), Message("user", ("look", a, "now"))])
+    moved = pc.prepare(later, mode="fast")
     assert qwen_vl.vision_encoder_calls == calls  # relocated, not re-encoded
     assert moved.usage.relocated_tokens >= image.n_tokens
+    pc.prepare(later, mode="exact")  # recomputed from the cached features
+    assert qwen_vl.vision_encoder_calls == calls
     other = pc.prepare(prompt_of(pc, [Message("user", ("look", b, "now"))]))
     assert qwen_vl.vision_encoder_calls == calls + 1  # same size, other pixels: a miss
     assert other.usage.cached_tokens < first.n_tokens - image.n_tokens

@@ -152,8 +152,16 @@ class ModelAdapter(ABC):
         """A model cache over ``arena``'s used tokens; new tokens are written into its spare room."""
 
     @abstractmethod
-    def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
-        """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows)."""
+    def prefill(
+        self, chunk: ChunkInput, cache: Any, start: int, placed: bool = False, last_only: bool = False
+    ) -> Prefill:
+        """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows).
+
+        ``last_only``: logits ``[1, vocab]`` of the last token only (the head is not run on the rest).
+
+        ``placed``: return the keys exactly as the model rotated them (``ChunkKV.placed_at =
+        start``) instead of un-rotated to the pre-RoPE frame, so placing them back at ``start``
+        reproduces this cache bit for bit."""
 
     def prefill_many(self, chunks: Sequence[ChunkInput], cache: Any, start: int) -> list[ChunkKV]:
         """Prefill ``chunks`` one after another from ``start`` (``cache`` grows by all of them);

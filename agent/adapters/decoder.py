@@ -185,6 +185,34 @@ class DecoderAdapter(ModelAdapter):
             target.keys, target.values = key, value  # type: ignore[union-attr]
         return cache
 
+    def append_placed(self, cache: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append post-RoPE ``k [L, H, T, D]`` and ``v`` (ChunkKV layout) after what ``cache``
+        holds, as the model's own next forward would append its new tokens."""
+        for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
+            key, value = self._to_slots(kl[None], vl[None])
+            cache.layers[layer].update(key, value)
+
+    @property
+    def supports_recompute(self) -> bool:
+        """Whether :meth:`recompute_into` can run: text decoders with GQA/MHA layers."""
+        return self.family == "gqa" and type(self) is DecoderAdapter
+
+    def recompute_into(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, selection: Any) -> int:
+        """Selective recompute (``agent.recompute``) of the tokens ``selection`` picks among the
+        context ``cache`` holds (token ids ``[N]``, absolute positions ``[N]``); their KV in
+        ``cache`` is replaced at every layer. Returns how many tokens ran through every layer."""
+        from agent.recompute import selective_recompute
+
+        if not self.supports_recompute:
+            raise TypeError(f"{self.info.architecture}: selective recompute runs on GQA/MHA decoders only")
+        layers = cache.layers[: self.info.n_layers]
+        k = torch.stack([layer.keys[0] for layer in layers])  # [L, H, N, D]
+        v = torch.stack([layer.values[0] for layer in layers])
+        out = selective_recompute(self, ids, positions, k, v, selection)
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = out.k[i][None], out.v[i][None]
+        return int(out.selected.numel())
+
     def cache_on(self, arena: KVArena) -> DynamicCache:
         """A cache over ``arena``'s used tokens (post-RoPE, ChunkKV layout); the model's next
         forward writes its new tokens into the arena's spare room, copying nothing else."""
@@ -224,9 +252,17 @@ class DecoderAdapter(ModelAdapter):
         return str(token_key(self.namespace(tenant_salt), chunk.ids))
 
     def _extract(
-        self, cache: Any, n_new: int, positions: torch.Tensor, rel: torch.Tensor, extent: int, after: int = 0
+        self,
+        cache: Any,
+        n_new: int,
+        positions: torch.Tensor,
+        rel: torch.Tensor,
+        extent: int,
+        after: int = 0,
+        placed_at: int | None = None,
     ) -> ChunkKV:
-        """The KV of the ``n_new`` tokens that precede the cache's last ``after`` tokens."""
+        """The KV of the ``n_new`` tokens that precede the cache's last ``after`` tokens; keys
+        un-rotated, or kept as rotated when ``placed_at`` (their start) is given."""
         keys, values = [], []
         for layer in cache.layers[: self.info.n_layers]:
             end = layer.keys.shape[2] - after
@@ -234,13 +270,14 @@ class DecoderAdapter(ModelAdapter):
             k, v = self._to_slots(key, value)  # the swap is its own inverse
             keys.append(k)
             values.append(v)
-        k_rot = torch.stack(keys)
+        k_rot = torch.stack(keys)  # stack copies: the KV no longer aliases the cache
         return ChunkKV(
-            k=unrotate(k_rot, positions, self.spec),
-            v=torch.stack(values),  # stack copies: the KV no longer aliases the cache
+            k=k_rot if placed_at is not None else unrotate(k_rot, positions, self.spec),
+            v=torch.stack(values),
             positions=rel,
             extent=extent,
             family=self.family,
+            placed_at=placed_at,
         )
 
     def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
@@ -269,13 +306,15 @@ class DecoderAdapter(ModelAdapter):
         return self._run(self._embed(chunk), (rel + start).to(self.device), cache, last_only=True)[-1]
 
     @torch.inference_mode()
-    def prefill(self, chunk: ChunkInput, cache: Any, start: int) -> Prefill:
+    def prefill(
+        self, chunk: ChunkInput, cache: Any, start: int, placed: bool = False, last_only: bool = False
+    ) -> Prefill:
         if chunk.n_tokens == 0:
             raise ValueError("cannot prefill an empty chunk")
         rel, extent = self.chunk_positions(chunk)
         positions = (rel + start).to(self.device)
-        logits = self._run(self._embed(chunk), positions, cache)
-        kv = self._extract(cache, chunk.n_tokens, positions, rel, extent)
+        logits = self._run(self._embed(chunk), positions, cache, last_only=last_only)
+        kv = self._extract(cache, chunk.n_tokens, positions, rel, extent, placed_at=start if placed else None)
         return Prefill(logits, kv, cache)
 
     def _prepare(self, chunks: Sequence[ChunkInput]) -> None:

@@ -382,14 +382,20 @@ def create_app(runtime: Runtime) -> FastAPI:
         metrics.completion_tokens.inc(len(outcome.decoded.tokens))
         metrics.reused_tokens.labels("prefix").inc(u.prefix_tokens)
         metrics.reused_tokens.labels("content").inc(u.relocated_tokens)
+        metrics.reuse.labels(u.mode, "exact").inc(u.prefix_tokens)
+        metrics.reuse.labels(u.mode, "repaired").inc(u.repaired_tokens)
+        metrics.reuse.labels(u.mode, "reused").inc(u.relocated_tokens - u.repaired_tokens)
+        metrics.reuse.labels(u.mode, "recomputed").inc(u.prefilled_tokens)
         metrics.prefilled_tokens.inc(u.prefilled_tokens)
         metrics.rotated_tokens.labels("chat").inc(u.rotated_tokens)
         metrics.lost_entries.inc(u.lost_entries)
         metrics.queue_wait.observe(started - arrival)
         metrics.ttft.labels("chat").observe(started - arrival + outcome.ttft_s)
         return S.CacheReport(
+            reuse_mode=u.mode,
             prefix_tokens=u.prefix_tokens,
             relocated_tokens=u.relocated_tokens,
+            repaired_tokens=u.repaired_tokens,
             prefilled_tokens=u.prefilled_tokens,
             rotated_tokens=u.rotated_tokens,
             lost_entries=u.lost_entries,
@@ -429,8 +435,15 @@ def create_app(runtime: Runtime) -> FastAPI:
             cancel = threading.Event()
 
             def job() -> tuple[float, ChatOutcome]:
-                return time.perf_counter(), runtime.chat(
-                    messages, params, salt, cancel, tools=plan.definitions, grammar=plan.grammar
+                started = time.perf_counter()
+                return started, runtime.chat(
+                    messages,
+                    params,
+                    salt,
+                    cancel,
+                    mode=body.kamera_reuse,
+                    tools=plan.definitions,
+                    grammar=plan.grammar,
                 )
 
             started, outcome = await watched(request, job, cancel)
@@ -496,6 +509,7 @@ def create_app(runtime: Runtime) -> FastAPI:
                     cancel,
                     on_start=lambda: emit("start"),
                     on_text=lambda t, lps: emit("text", t, lps),
+                    mode=body.kamera_reuse,
                     tools=plan.definitions,
                     grammar=plan.grammar,
                 )

@@ -44,6 +44,13 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument("--disk-path", default=_env("disk_path", None))
     store.add_argument("--disk-bytes", type=int, default=int(_env("disk_bytes", 0)))
     store.add_argument("--store-policy", default=_env("store_policy", "lru"))
+    store.add_argument(
+        "--reuse-mode",
+        default=_env("reuse_mode", "repair"),
+        choices=["exact", "repair", "fast"],
+        help="default reuse of cached KV (a request's kamera_reuse overrides it): exact prefix only, "
+        "content reuse repaired, or content reuse blind",
+    )
     media = p.add_argument_group("media")
     media.add_argument(
         "--allow-local-dir", default=_env("allow_local_dir", None), help="serve local media from here"
@@ -75,6 +82,7 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def build_config(args: argparse.Namespace) -> Any:
     from agent.server.media import MediaPolicy
+    from agent.server.prompt_cache import PromptCacheConfig
     from agent.server.runtime import RuntimeConfig
     from cache.store import StoreConfig
     from tools.media import FetchConfig
@@ -93,6 +101,7 @@ def build_config(args: argparse.Namespace) -> Any:
             disk_path=args.disk_path,
             policy=args.store_policy,
         ),
+        prompt_cache=PromptCacheConfig(mode=args.reuse_mode),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,
             fetch=FetchConfig(enabled=bool(hosts), allowed_hosts=hosts),

@@ -79,6 +79,13 @@ class Metrics:
             ["how"],
             registry=r,
         )
+        self.reuse = Counter(
+            "kamera_prompt_tokens_by_reuse",
+            "Chat prompt tokens by reuse mode and what happened to them: reused exactly, reused by "
+            "content and repaired, reused by content as stored, recomputed",
+            ["mode", "how"],
+            registry=r,
+        )
         self.prefilled_tokens = Counter(
             "kamera_prompt_tokens_prefilled", "Chat prompt tokens prefilled", registry=r
         )

@@ -1,55 +1,69 @@
-"""Content-addressed prompt reuse across chat requests.
+"""Content-addressed prompt reuse across chat requests, in one of three reuse modes.
 
 A request's prompt (``chat.render``) becomes *planning units*: one per text token and one per
 image, so an image is atomic. An image's unit id is interned from its content key: ids above the
 vocabulary, handed out once and never reused (when they run out the indexes start afresh), so
-two different images never share an id. (The CDC hash tables ids up to the largest one, which
-rules out using the content hash itself as the id.)
+two different images never share an id. Store keys never use those ids: they hash an image by
+its content key (``cache.keys.span_key``), so they mean the same thing in every process.
 
 The planner (``cache/planner.py``) cuts the units at piece boundaries and by content-defined
 chunking, matches the exact prefix in its radix tree, then looks up each later chunk by content.
-Execution walks the plan in order:
 
-- a reused chunk (prefix hit, or relocated hit moved by δ) takes its KV from the store, pre-RoPE,
-  and is rotated to its start in this prompt; no forward pass, no vision encoder;
-- a run of misses is prefilled on the cache assembled from everything before it, so it attends
-  to the reused KV exactly as it would to its own;
-- the prompt's last token is always prefilled, for the logits of the first generated token.
+**Exact means exact.** Every prefill runs in *segments* cut at fixed points of the prompt:
+multiples of ``block_tokens`` tokens and the edges of every image (:meth:`Prompt.cuts`), so the
+same prompt is always computed by the same forward passes, whatever was reused. Conditioned KV
+is stored as the model rotated it (``ChunkKV.placed_at``), never un-rotated and rotated back. An
+exact-prefix hit is cut back to the last segment edge, placed bit for bit, and the rest is
+prefilled segment by segment: the model cache, the logits and the greedy tokens are those of a
+full prefill (which is this same code with nothing reused). Only KV that is exact in that sense
+enters the radix tree, so a prefix hit is never KV computed after approximate reuse.
 
-What is stored: each chunk's KV *as computed in the request that first prefilled it*, pre-RoPE,
-under ``record_key(content key, "conditioned")``. A relocated hit reuses it blind (without a
-conditioning patch): the simplest sound choice, whose error DESIGN.md measures (next-token KL
-about 0.04 on SmolLM2 for a 256-token chunk moved behind other text). An exact-prefix hit is the
-same KV at the same positions, so it is exact. Content keys carry the tenant's salt
-(``Namespace.tenant_salt``): tenants never share an entry, a radix root or an index key.
+Modes (``ReuseMode``, per request, a server default):
 
-Every prompt is committed as a :class:`Record` (its chunk table: unit span -> store key), the
-payload the radix tree and content index point at. A reused chunk whose store entry was
-evicted becomes a miss and is prefilled and stored again.
+- ``exact``: only the exact prefix is reused; the answer is the full prefill's, bit for bit.
+- ``repair``: the exact prefix, then chunks found by content at moved positions or after other
+  antecedents, reused where the piece is large enough to keep its meaning (``min_reuse_tokens``)
+  and repaired by recomputing, through every layer, the share of its tokens whose layer-1 KV
+  deviates most from what this context gives them (``repair_ratio``; CacheBlend's signal,
+  computed against the new context, never from this prompt's full prefill). Smaller pieces,
+  template fragments among them, are recomputed: their KV is mostly conditioning.
+- ``fast``: every content hit reused blind (relocated by rotation only).
 
-Not here: patches for relocated chunks, sampling (``generation.py``), threads (``runtime.py``).
+Stored: each prefill segment's KV under a key of its content *and its whole context*
+(``record_key(chain_key(context, span), "exact" | "approx")``), so an entry is the KV of those
+tokens after exactly those antecedents, computed exactly or not. A prompt is committed as a
+:class:`Record` whose table maps unit spans to (store key, token and position offset in the
+entry): reused spans point at the entries they came from, nothing is stored twice. Content keys
+carry the tenant's salt (``Namespace.tenant_salt``): tenants never share an entry, a radix root
+or an index key. A reused span whose entry was evicted becomes a miss and is prefilled again.
+
+Not here: sampling (``generation.py``), threads (``runtime.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import torch
 
-from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter
+from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
-from cache.keys import Namespace, token_key
+from cache.keys import ContentKey, Namespace, chain_key, span_key
 from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
 from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
+
+ReuseMode = Literal["exact", "repair", "fast"]
+REUSE_MODES: tuple[ReuseMode, ...] = get_args(ReuseMode)
 
 
 class NoImagesError(ValueError):
@@ -75,6 +89,26 @@ class Prompt:
     def n_images(self) -> int:
         return sum(isinstance(i, ImageInput) for i in self.inputs)
 
+    def cuts(self, block_tokens: int) -> np.ndarray:
+        """Unit offsets where prefill segments may start and end, sorted: 0, the end, every unit
+        that starts on a multiple of ``block_tokens`` tokens, and both edges of every image."""
+        starts = self.tok_off[:-1]
+        edges = [0, len(self.units), *np.flatnonzero(starts % block_tokens == 0).tolist()]
+        for p, inp in enumerate(self.inputs):
+            if isinstance(inp, ImageInput):
+                edges += [int(self.piece_unit[p]), int(self.piece_unit[p + 1])]
+        return np.unique(np.asarray(edges, dtype=np.int64))
+
+    def key_parts(self, a: int, b: int) -> list[np.ndarray | str]:
+        """Units [a, b) as ``span_key`` parts: text token ids, images by content key."""
+        out: list[np.ndarray | str] = []
+        for p, inp in enumerate(self.inputs):
+            s, e = int(self.piece_unit[p]), int(self.piece_unit[p + 1])
+            lo, hi = max(a, s), min(b, e)
+            if lo < hi:
+                out.append(inp.content_key if isinstance(inp, ImageInput) else self.units[lo:hi])
+        return out
+
     def inputs_between(self, a: int, b: int) -> list[ChunkInput]:
         """Model inputs covering units [a, b): text of adjacent pieces merged, images whole."""
         out: list[ChunkInput] = []
@@ -97,8 +131,6 @@ class Prompt:
 
 
 def _text_input(parts: list[torch.Tensor]) -> ChunkInput:
-    from agent.adapters.base import TextInput
-
     return TextInput(torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
@@ -134,63 +166,95 @@ def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece], image_unit: Cal
     )
 
 
-def slice_kv(kv: ChunkKV, t0: int, t1: int, p0: int, extent: int) -> ChunkKV:
-    """Tokens [t0, t1) of ``kv``, positions counted from ``p0``."""
-    if t0 == 0 and t1 == kv.n_tokens and p0 == 0:
-        return kv
-    return ChunkKV(kv.k[:, :, t0:t1], kv.v[:, :, t0:t1], kv.positions[..., t0:t1] - p0, extent, kv.family)
-
-
 def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
-    """Chunks laid end to end, each starting where the previous one's extent ends."""
+    """Chunks laid end to end, each starting where the previous one's extent ends. Keys of one
+    frame only: all pre-RoPE, or all placed contiguously (the result is placed at the first's)."""
     if len(parts) == 1:
         return parts[0]
     offsets = np.cumsum([0] + [p.extent for p in parts])
+    first = parts[0].placed_at
+    for p, o in zip(parts, offsets, strict=False):
+        if (p.placed_at is None) != (first is None) or (first is not None and p.placed_at != first + int(o)):
+            raise ValueError("concat_kv takes chunks of one frame, laid end to end")
     return ChunkKV(
         torch.cat([p.k for p in parts], dim=2),
         torch.cat([p.v for p in parts], dim=2),
         torch.cat([p.positions + int(o) for p, o in zip(parts, offsets, strict=False)], dim=-1),
         int(offsets[-1]),
         parts[0].family,
+        first,
     )
+
+
+class TableRow(NamedTuple):
+    """Units [start, end) of a record are the entry at ``key``'s tokens from ``token``, whose
+    positions there count from ``position``."""
+
+    start: int
+    end: int
+    key: str
+    token: int
+    position: int
 
 
 @dataclass(eq=False)
 class Record:
-    """A committed prompt: its chunks (unit span, store key) and unit offsets."""
+    """A committed prompt: where the KV of each unit span lives, its unit offsets, and how many
+    leading units hold KV exactly as a full prefill computes it."""
 
-    chunks: tuple[tuple[int, int, str], ...]
+    table: tuple[TableRow, ...]
     tok_off: np.ndarray
     pos_off: np.ndarray
+    exact_units: int
 
 
 @dataclass(frozen=True)
 class PromptCacheConfig:
     """planner: chunking and verification. max_radix_tokens / max_index_entries bound the two
     indexes (their payloads are small records; the KV itself is in the store's budget).
-    rope_kernel: rotation kernel (``cache.rope.KERNELS``). max_tenants: planners kept."""
+    rope_kernel: rotation kernel (``cache.rope.KERNELS``). max_tenants: planners kept.
+    mode: the default reuse mode (module docstring). block_tokens: prefill segment size, the
+    granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
+    than this. repair_ratio: share of a repaired piece's tokens recomputed."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
     max_index_entries: int = 1 << 16
     rope_kernel: str = "auto"
     max_tenants: int = 1024
+    mode: ReuseMode = "repair"
+    block_tokens: int = 128
+    min_reuse_tokens: int = 32
+    repair_ratio: float = 0.15
 
     def __post_init__(self) -> None:
-        if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants) < 1:
+        if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
             raise ValueError("prompt cache bounds must be positive")
         if self.rope_kernel not in KERNELS:
             raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
+        check_mode(self.mode)
+        if self.min_reuse_tokens < 1:
+            raise ValueError(f"min_reuse_tokens must be at least 1, got {self.min_reuse_tokens}")
+        if not 0.0 <= self.repair_ratio <= 1.0:
+            raise ValueError(f"repair_ratio must lie in [0, 1], got {self.repair_ratio}")
+
+
+def check_mode(mode: str) -> ReuseMode:
+    if mode not in REUSE_MODES:
+        raise ValueError(f"unknown reuse mode {mode!r}; choose from {', '.join(REUSE_MODES)}")
+    return mode  # type: ignore[return-value]
 
 
 class PromptUsage(NamedTuple):
     prompt_tokens: int
-    prefix_tokens: int  # reused from the exact prefix
-    relocated_tokens: int  # reused by content, moved by rotation
+    prefix_tokens: int  # reused exactly: the exact prefix, placed bit for bit
+    relocated_tokens: int  # reused by content (moved, or after other antecedents)
     prefilled_tokens: int
     rotated_tokens: int  # reused tokens whose position changed (δ != 0)
     lost_entries: int  # planned reuse whose store entry was gone (prefilled instead)
     vision_encoder_calls: int
+    mode: ReuseMode = "exact"
+    repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
 
     @property
     def cached_tokens(self) -> int:
@@ -200,9 +264,10 @@ class PromptUsage(NamedTuple):
 class _Step(NamedTuple):
     start: int
     end: int
-    kv: ChunkKV | None  # reused KV; None for a miss
+    kv: ChunkKV | None  # reused KV (placed or pre-RoPE); None for a miss
+    refs: tuple[TableRow, ...]  # where the reused KV lives, in this prompt's units
     delta: int
-    prefix: bool
+    exact: bool  # the exact prefix
 
 
 @dataclass
@@ -216,7 +281,8 @@ class Prepared:
     prompt: Prompt
     plan: Plan
     planner: Planner
-    chunks: list[tuple[int, int, ChunkKV]]
+    rows: list[tuple[TableRow, ChunkKV | None]]  # the record's table; KV for the rows to store
+    exact_units: int
     stored: bool = False
 
 
@@ -269,68 +335,54 @@ class PromptCache:
         self._planners.move_to_end(tenant_salt)
         return planner
 
-    # --- prepare: plan, fetch, rotate, prefill misses -----------------------------------
+    # --- prepare: plan, fetch, place, prefill the rest segment by segment -----------------
 
-    def prepare(self, prompt: Prompt, tenant_salt: str = "") -> Prepared:
+    def prepare(self, prompt: Prompt, tenant_salt: str = "", mode: ReuseMode | None = None) -> Prepared:
+        """The prompt's model cache and first logits, reusing what ``mode`` allows."""
         if len(prompt.units) == 0:
             raise ValueError("empty prompt")
+        mode = check_mode(mode or self.config.mode)
         planner = self.planner(tenant_salt)
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
-        steps, lost = self._steps(prompt, plan)
-        split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
-        spec, kernel = self.adapter.spec, self.config.rope_kernel
-        placed: list[tuple[ChunkKV, int]] = []  # reused or prefilled chunks and their starts
-        chunks: list[tuple[int, int, ChunkKV]] = []
+        cuts = prompt.cuts(self.config.block_tokens)
+        ctx = _Context(self, prompt, planner.namespace, cuts)
+        steps, lost = self._steps(prompt, plan, ctx, mode)
+        counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired"), 0)
+        pending: list[tuple[ChunkKV, int]] = []  # reused chunks not yet in the model cache
+        repair: list[tuple[int, int]] = []  # reused unit spans to repair
+        rows: list[tuple[TableRow, ChunkKV | None]] = []
         cache: Any = None
         logits: torch.Tensor | None = None
-        counts = {"prefix": 0, "relocated": 0, "prefilled": 0, "rotated": 0}
-        i = 0
-        while i < len(steps):
-            step = steps[i]
-            start = int(prompt.pos_off[step.start])
+        exact_units = 0
+        for step in steps:
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
             if step.kv is not None:
-                placed.append((step.kv, start))
-                chunks.append((step.start, step.end, step.kv))
-                counts["prefix" if step.prefix else "relocated"] += n_tok
+                pending.append((step.kv, int(prompt.pos_off[step.start])))
+                rows.extend((r, None) for r in step.refs)
+                counts["prefix" if step.exact else "relocated"] += n_tok
                 counts["rotated"] += n_tok if step.delta else 0
-                cache = None
-                i += 1
+                exact_units = step.end if step.exact else exact_units
+                if not step.exact and mode == "repair":
+                    repair.append((step.start, step.end))
                 continue
-            j = i  # a run of misses is prefilled in one pass
-            while j + 1 < len(steps) and steps[j + 1].kv is None:
-                j += 1
-            a, b = step.start, steps[j].end
-            if cache is None:
-                cache = (
-                    self.adapter.cache_from(*place_window(placed, spec, kernel))
-                    if placed
-                    else self.adapter.empty_cache()
-                )
-            parts, pos = [], start
-            for inp in prompt.inputs_between(a, b):
-                out = self.adapter.prefill(inp, cache, pos)
-                parts.append(out.kv)
-                pos += out.kv.extent
-                logits = out.logits[-1]
-            run = concat_kv(parts)
-            counts["prefilled"] += run.n_tokens
-            t_a, p_a = int(prompt.tok_off[a]), int(prompt.pos_off[a])
-            for s in steps[i : j + 1]:
-                t0, t1 = int(prompt.tok_off[s.start]) - t_a, int(prompt.tok_off[s.end]) - t_a
-                p0 = int(prompt.pos_off[s.start]) - p_a
-                extent = int(prompt.pos_off[s.end] - prompt.pos_off[s.start])
-                kv = slice_kv(run, t0, t1, p0, extent)
-                chunks.append((s.start, s.end, kv))
-                if j + 1 < len(steps):  # reused chunks follow: the cache will be rebuilt
-                    placed.append((kv, int(prompt.pos_off[s.start])))
-            i = j + 1
+            cache = self._with(cache, pending)
+            pending = []
+            if repair:
+                counts["repaired"] += self._repair(prompt, cache, repair)
+                repair = []
+            exact = exact_units == step.start
+            for a, b in ctx.segments(step.start, step.end):
+                (inp,) = prompt.inputs_between(a, b)
+                last = b == len(prompt.units)
+                out = self.adapter.prefill(inp, cache, int(prompt.pos_off[a]), placed=True, last_only=last)
+                rows.append((TableRow(a, b, ctx.store_key(a, b, exact), 0, 0), out.kv))
+                counts["prefilled"] += out.kv.n_tokens
+                if last:
+                    logits = out.logits[-1]
+            exact_units = step.end if exact else exact_units
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
-        if split and len(chunks) >= 2:  # store the split final chunk whole, under its planned key
-            (s0, _, kv0), (_, e1, kv1) = chunks[-2:]
-            chunks[-2:] = [(s0, e1, concat_kv([kv0, kv1]))]
         usage = PromptUsage(
             prompt_tokens=prompt.n_tokens,
             prefix_tokens=counts["prefix"],
@@ -339,110 +391,350 @@ class PromptCache:
             rotated_tokens=counts["rotated"],
             lost_entries=lost,
             vision_encoder_calls=int(getattr(self.adapter, "vision_encoder_calls", 0)) - encoder_before,
+            mode=mode,
+            repaired_tokens=counts["repaired"],
         )
-        return Prepared(cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, chunks)
+        return Prepared(
+            cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
+        )
 
-    def _steps(self, prompt: Prompt, plan: Plan) -> tuple[list[_Step], int]:
-        """The plan as steps with their reused KV fetched; the last unit always a miss."""
-        raw = [(c.start, c.end, c.status, c.source_start, c.payload) for c in plan.chunks]
-        s, e, status, src, payload = raw[-1]
-        if status != "miss":
-            raw[-1:] = [(s, e - 1, status, src, payload)] if e - 1 > s else []
-            raw.append((e - 1, e, "miss", None, None))
-        segments = self._prefix_map(plan)
-        steps, lost = [], 0
-        for s, e, status, src, payload in raw:
-            kv = None
-            if status == "prefix-hit":
-                kv = self._prefix_kv(segments, s, e)
-            elif status == "relocated-hit" and isinstance(payload, Record) and src is not None:
-                kv = self._record_kv(payload, src, src + e - s)
-            if kv is not None and (
-                kv.n_tokens != prompt.tok_off[e] - prompt.tok_off[s]
-                or kv.extent != prompt.pos_off[e] - prompt.pos_off[s]
-            ):
-                kv = None
-            lost += int(status != "miss" and kv is None)
-            delta = 0 if status == "prefix-hit" or src is None else s - src
-            steps.append(_Step(s, e, kv, delta, status == "prefix-hit"))
-        return steps, lost
+    def _with(self, cache: Any, pending: list[tuple[ChunkKV, int]]) -> Any:
+        """``cache`` (None: a new one) with the ``pending`` reused chunks appended, placed."""
+        if not pending:
+            return cache if cache is not None else self.adapter.empty_cache()
+        k, v = place_window(pending, self.adapter.spec, self.config.rope_kernel)
+        if cache is None:
+            return self.adapter.cache_from(k, v)
+        self.adapter.append_placed(cache, k, v)
+        return cache
 
-    @staticmethod
-    def _prefix_map(plan: Plan) -> list[tuple[int, int, Record, int]]:
-        out, at = [], 0
-        for seg in plan.prefix:
-            if isinstance(seg.payload, Record):
-                out.append((at, at + seg.length, seg.payload, seg.offset))
-            at += seg.length
-        return out
+    def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> int:
+        """Recompute, through every layer, the most deviating tokens of the reused ``spans``
+        (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
+        Returns the tokens recomputed; 0 where the adapter cannot (images, MLA)."""
+        from agent.recompute import DeviationSelection
 
-    def _prefix_kv(self, segments: list[tuple[int, int, Record, int]], s: int, e: int) -> ChunkKV | None:
-        parts = []
-        for lo, hi, rec, offset in segments:
-            a, b = max(s, lo), min(e, hi)
-            if a >= b:
+        ratio = self.config.repair_ratio
+        if ratio <= 0 or not getattr(self.adapter, "supports_recompute", False):
+            return 0
+        if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
+            return 0
+        n = self.adapter.cache_length(cache)
+        ids = _ids_upto(prompt, n)
+        candidates = torch.cat(
+            [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
+        )
+        positions = torch.arange(n, dtype=torch.int64)
+        return self.adapter.recompute_into(cache, ids, positions, DeviationSelection(ratio, candidates))
+
+    def _steps(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> tuple[list[_Step], int]:
+        """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
+        (and carried on by the keys of the segments after it, which the store may hold from
+        before a restart or from another process), then what ``mode`` reuses by content;
+        misses merged; the last unit always a miss."""
+        n_units, cuts = len(prompt.units), ctx.cuts
+        segments = [(at, seg) for at, seg in _offsets(plan.prefix) if isinstance(seg.payload, Record)]
+        limit = min(plan.prefix_len, n_units - 1)
+        kv, refs, got = self._fetch_prefix(segments, 0, limit)
+        edge = _cut_back(cuts, got)
+        lost = int(got < limit and _cut_back(cuts, limit) > edge)
+        parts = [kv.sliced(0, int(prompt.tok_off[edge]), 0, int(prompt.pos_off[edge]))] if edge and kv else []
+        rows = list(_clip(refs, edge)) if parts else []
+        edge = edge if parts else 0
+        for a, b in ctx.segments(edge, n_units - 1):
+            if b != _cut_back(cuts, b):  # the segment ending before the last unit is not whole
+                break
+            key = ctx.store_key(a, b, exact=True)
+            found = self._entry_kv(key) if key in self.store else None
+            if found is None or found.placed_at != int(prompt.pos_off[a]) or not _fits(prompt, a, b, found):
+                break
+            parts.append(found)
+            rows.append(TableRow(a, b, key, 0, 0))
+            edge = b
+        steps: list[_Step] = []
+        if edge > 0:
+            steps.append(_Step(0, edge, concat_kv(parts), tuple(rows), 0, True))
+        for c in plan.chunks:
+            s, e = max(c.start, edge), min(c.end, n_units)
+            if s >= e:
                 continue
-            kv = self._record_kv(rec, offset + a - lo, offset + b - lo)
-            if kv is None:
-                return None
-            parts.append(kv)
-        covered = sum(min(e, hi) - max(s, lo) for lo, hi, _, _ in segments if min(e, hi) > max(s, lo))
-        return concat_kv(parts) if parts and covered == e - s else None
-
-    def _record_kv(self, rec: Record, a: int, b: int) -> ChunkKV | None:
-        """KV of units [a, b) of a committed prompt, from the store; None if any entry is gone."""
-        parts = []
-        for cs, ce, key in rec.chunks:
-            if ce <= a or cs >= b:
+            if e == n_units:
+                e -= 1
+            big = prompt.tok_off[e] - prompt.tok_off[s] >= self.config.min_reuse_tokens
+            if mode == "exact" or e <= s or not (mode == "fast" or big) or c.status == "prefix-hit":
+                steps.append(_Step(s, c.end, None, (), 0, False))
                 continue
-            entry = self.store.get(key)
-            if entry is None:
+            reused, delta = None, 0
+            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
+                src = c.source_start + s - c.start
+                reused = self._fetch(c.payload, src, src + e - s, s - src, int(prompt.pos_off[s]))
+                delta = c.start - c.source_start
+                lost += int(reused is None)
+            elif s == c.start:  # not in the indexes: the store may hold it from another process
+                alias = self._alias(ctx, c.start, c.end)
+                if alias is not None:
+                    reused = self._fetch(alias, 0, e - s, s, int(prompt.pos_off[s]))
+            if reused is not None and not _fits(prompt, s, e, reused[0]):
+                reused = None
+            if reused is None:
+                steps.append(_Step(s, c.end, None, (), 0, False))
+                continue
+            steps.append(_Step(s, e, reused[0], reused[1], delta, False))
+            if e < c.end:
+                steps.append(_Step(e, c.end, None, (), 0, False))
+        return _merge_misses(steps), lost
+
+    def _fetch_prefix(
+        self, segments: list[tuple[int, Any]], a: int, b: int
+    ) -> tuple[ChunkKV | None, list[TableRow], int]:
+        """KV of units [a, b) from the radix segments, as far as the store still has it."""
+        parts: list[ChunkKV] = []
+        refs: list[TableRow] = []
+        got = a
+        for at, seg in segments:
+            lo, hi = max(a, at), min(b, at + seg.length)
+            if lo >= hi:
+                continue
+            if lo != got:
+                break
+            rec = seg.payload
+            src = seg.offset + lo - at
+            part = self._fetch(rec, src, seg.offset + hi - at, at - seg.offset, int(rec.pos_off[src]), True)
+            if part is None:
+                break
+            parts.append(part[0])
+            refs.extend(part[1])
+            got = lo + _units_of(part[1])
+            if got < hi:
+                break
+        return (concat_kv(parts) if parts else None), refs, got
+
+    def _fetch(
+        self, rec: Record, a: int, b: int, shift: int, at: int, partial: bool = False
+    ) -> tuple[ChunkKV, tuple[TableRow, ...]] | None:
+        """KV of units [a, b) of ``rec``, placed to start at position ``at``, and its rows moved
+        by ``shift`` units; None if any entry is gone (``partial``: what is there from ``a`` on,
+        None if nothing)."""
+        parts: list[ChunkKV] = []
+        refs: list[TableRow] = []
+        for row in rec.table:
+            if row.end <= a or row.start >= b:
+                continue
+            lo, hi = max(a, row.start), min(b, row.end)
+            kv = self._entry_kv(row.key)
+            t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
+            t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
+            if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
+                if partial and parts:
+                    break
                 return None
-            t = entry.tensors
-            kv = ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
-            if kv.n_tokens != rec.tok_off[ce] - rec.tok_off[cs]:
-                return None
-            lo, hi = max(a, cs), min(b, ce)
-            parts.append(
-                slice_kv(
-                    kv,
-                    int(rec.tok_off[lo] - rec.tok_off[cs]),
-                    int(rec.tok_off[hi] - rec.tok_off[cs]),
-                    int(rec.pos_off[lo] - rec.pos_off[cs]),
-                    int(rec.pos_off[hi] - rec.pos_off[lo]),
-                )
+            p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
+            parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
+            refs.append(TableRow(lo + shift, hi + shift, row.key, t0, p0))
+        if not parts or (not partial and refs[-1].end - shift != b) or refs[0].start - shift != a:
+            return None
+        return self._join(parts, at), tuple(refs)
+
+    def _join(self, parts: list[ChunkKV], at: int) -> ChunkKV:
+        """Parts laid end to end as one chunk placed at ``at``: each part already placed there is
+        kept bit for bit, others are moved straight from their own frame (one rotation each)."""
+        from cache.rope import relocate, rotate
+
+        spec, kernel = self.adapter.spec, self.config.rope_kernel
+        out, offset = [], 0
+        for kv in parts:
+            target = at + offset
+            if kv.placed_at is None:
+                k = rotate(kv.k, kv.placed_positions(target), spec, kernel)
+            elif kv.placed_at != target:
+                k = relocate(kv.k, target - kv.placed_at, spec, kernel)
+            else:
+                k = kv.k
+            out.append(ChunkKV(k, kv.v, kv.positions, kv.extent, kv.family, target))
+            offset += kv.extent
+        return concat_kv(out)
+
+    def _alias(self, ctx: _Context, a: int, b: int) -> Record | None:
+        """The stored alias of units [a, b) by their content alone: where some prompt, in this
+        process or another, keeps their KV (computed after its own antecedents)."""
+        entry = self.store.get(record_key(ctx.content_key(a, b).hex, "alias"))
+        if entry is None:
+            return None
+        meta = entry.meta
+        try:
+            table = tuple(
+                TableRow(int(r[0]), int(r[1]), str(r[2]), int(r[3]), int(r[4])) for r in meta["rows"]
             )
-        return concat_kv(parts) if parts else None
+            tok, pos = np.asarray(meta["tok_off"], np.int64), np.asarray(meta["pos_off"], np.int64)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        if len(tok) != b - a + 1 or len(pos) != b - a + 1:
+            return None
+        return Record(table, tok, pos, 0)
 
-    # --- commit: store new chunks, index the prompt -------------------------------------
+    def _entry_kv(self, key: str) -> ChunkKV | None:
+        entry = self.store.get(key)
+        if entry is None:
+            return None
+        t, meta = entry.tensors, entry.meta
+        at = meta.get("placed_at")
+        return ChunkKV(
+            t["k"],
+            t["v"],
+            t["positions"],
+            int(meta["extent"]),
+            meta["family"],
+            None if at is None else int(at),
+        )
+
+    # --- commit: store new segments, index the prompt -----------------------------------
 
     def commit(self, prepared: Prepared) -> int:
-        """Store the KV of every chunk not already stored and index the prompt; entries written."""
+        """Store the KV of every new segment and index the prompt; entries written."""
         if prepared.stored:
             return 0
         prepared.stored = True
-        ns = prepared.planner.namespace
-        units = prepared.prompt.units
-        table, written = [], 0
-        for s, e, kv in prepared.chunks:
-            key = record_key(token_key(ns, units[s:e]).hex, "conditioned")
-            table.append((s, e, key))
-            if key in self.store:
+        written = 0
+        for row, kv in prepared.rows:
+            if kv is None or row.key in self.store:
                 continue
             entry = Entry(
                 {"k": kv.k, "v": kv.v, "positions": kv.positions},
-                {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family},
+                {
+                    "n_tokens": kv.n_tokens,
+                    "extent": kv.extent,
+                    "family": kv.family,
+                    "placed_at": kv.placed_at,
+                },
             )
             with contextlib.suppress(EntryTooLargeError, TierFullError):
-                self.store.put(key, entry)
+                self.store.put(row.key, entry)
                 written += 1
-        record = Record(tuple(table), prepared.prompt.tok_off, prepared.prompt.pos_off)
-        prepared.planner.commit(prepared.plan, units, record)
+        prompt = prepared.prompt
+        record = Record(
+            tuple(row for row, _ in prepared.rows), prompt.tok_off, prompt.pos_off, prepared.exact_units
+        )
+        written += self._write_aliases(prepared, record)
+        prepared.planner.commit(prepared.plan, prompt.units, record, prefix_len=prepared.exact_units)
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:
             self.radix.evict(excess)
-        prepared.chunks = []  # the tensors now live in the store (or were refused)
+        prepared.rows = []  # the tensors now live in the store (or were refused)
         return written
+
+    def _write_aliases(self, prepared: Prepared, record: Record) -> int:
+        """An alias entry per chunk large enough to be reused by content (no tensors: the rows
+        of ``record`` that hold it), so another process finds it by its content key."""
+        ctx = _Context(self, prepared.prompt, prepared.planner.namespace, np.zeros(1, np.int64))
+        written = 0
+        for c in prepared.plan.chunks:
+            a, b = c.start, c.end
+            if (
+                c.status == "relocated-hit"
+                or record.tok_off[b] - record.tok_off[a] < self.config.min_reuse_tokens
+            ):
+                continue
+            key = record_key(ctx.content_key(a, b).hex, "alias")
+            if key in self.store:
+                continue
+            rows = [
+                [
+                    max(r.start, a) - a,
+                    min(r.end, b) - a,
+                    r.key,
+                    r.token + int(record.tok_off[max(r.start, a)] - record.tok_off[r.start]),
+                    r.position + int(record.pos_off[max(r.start, a)] - record.pos_off[r.start]),
+                ]
+                for r in record.table
+                if r.end > a and r.start < b
+            ]
+            meta = {
+                "rows": rows,
+                "tok_off": (record.tok_off[a : b + 1] - record.tok_off[a]).tolist(),
+                "pos_off": (record.pos_off[a : b + 1] - record.pos_off[a]).tolist(),
+            }
+            with contextlib.suppress(EntryTooLargeError, TierFullError):
+                self.store.put(key, Entry({}, meta))
+                written += 1
+        return written
+
+
+class _Context:
+    """Segments and context-chained store keys of one prompt."""
+
+    def __init__(self, pc: PromptCache, prompt: Prompt, namespace: Namespace, cuts: np.ndarray) -> None:
+        self.prompt, self.namespace, self.cuts = prompt, namespace, cuts
+        self._chain: dict[int, ContentKey | None] = {0: None}
+
+    def segments(self, a: int, b: int) -> list[tuple[int, int]]:
+        inner = self.cuts[(self.cuts > a) & (self.cuts < b)].tolist()
+        edges = [a, *inner, b]
+        return list(itertools.pairwise(edges))
+
+    def _span(self, a: int, b: int) -> ContentKey:
+        return span_key(self.namespace, self.prompt.key_parts(a, b))
+
+    def content_key(self, a: int, b: int) -> ContentKey:
+        """Key of units [a, b) by their content alone (images by content key)."""
+        return self._span(a, b)
+
+    def context(self, a: int) -> ContentKey | None:
+        """Key of units [0, a): chained over the segment edges, so it depends on content only."""
+        c = int(self.cuts[np.searchsorted(self.cuts, a, side="right") - 1])
+        if c not in self._chain:
+            i = int(np.searchsorted(self.cuts, c))
+            known = max(j for j in range(i + 1) if int(self.cuts[j]) in self._chain)
+            for j in range(known, i):
+                lo, hi = int(self.cuts[j]), int(self.cuts[j + 1])
+                self._chain[hi] = chain_key(self._chain[lo], self._span(lo, hi))
+        base = self._chain[c]
+        return base if c == a else chain_key(base, self._span(c, a))
+
+    def store_key(self, a: int, b: int, exact: bool) -> str:
+        key = chain_key(self.context(a), self._span(a, b))
+        return record_key(key.hex, "exact" if exact else "approx")
+
+
+def _offsets(segments: Sequence[Any]) -> list[tuple[int, Any]]:
+    out, at = [], 0
+    for seg in segments:
+        out.append((at, seg))
+        at += seg.length
+    return out
+
+
+def _units_of(rows: Sequence[TableRow]) -> int:
+    return sum(r.end - r.start for r in rows)
+
+
+def _clip(rows: Sequence[TableRow], end: int) -> tuple[TableRow, ...]:
+    return tuple(r if r.end <= end else r._replace(end=end) for r in rows if r.start < end)
+
+
+def _cut_back(cuts: np.ndarray, at: int) -> int:
+    return int(cuts[np.searchsorted(cuts, at, side="right") - 1])
+
+
+def _fits(prompt: Prompt, s: int, e: int, kv: ChunkKV) -> bool:
+    return bool(
+        kv.n_tokens == prompt.tok_off[e] - prompt.tok_off[s]
+        and kv.extent == prompt.pos_off[e] - prompt.pos_off[s]
+    )
+
+
+def _merge_misses(steps: list[_Step]) -> list[_Step]:
+    out: list[_Step] = []
+    for st in steps:
+        if st.kv is None and out and out[-1].kv is None and out[-1].end == st.start:
+            out[-1] = out[-1]._replace(end=st.end)
+        else:
+            out.append(st)
+    return out
+
+
+def _ids_upto(prompt: Prompt, n_tokens: int) -> torch.Tensor:
+    parts = [inp.ids for inp in prompt.inputs]
+    return torch.cat(parts)[:n_tokens] if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def elapsed_ms(t0: float) -> float:

@@ -29,7 +29,7 @@ from agent.server.chat import ByteTokenizer, Message, render
 from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
-from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, build_prompt
+from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
 from agent.server.sessions import Session, SessionManager
 from cache.store import StoreConfig, TieredStore
 
@@ -218,6 +218,7 @@ class Runtime:
         cancel: threading.Event,
         on_start: Callable[[], None] | None = None,
         on_text: TextCallback | None = None,
+        mode: ReuseMode | None = None,
         tools: Sequence[dict[str, Any]] = (),
         grammar: str | None = None,
     ) -> ChatOutcome:
@@ -233,7 +234,7 @@ class Runtime:
                     f"the prompt has {prompt.n_tokens} tokens, over max_prompt_tokens="
                     f"{self.limits.max_prompt_tokens}"
                 )
-            prepared = self.prompt_cache.prepare(prompt, tenant_salt)
+            prepared = self.prompt_cache.prepare(prompt, tenant_salt, mode)
             if on_start is not None:
                 on_start()
             try:

@@ -126,6 +126,9 @@ class ChatCompletionRequest(_Loose):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     cache_salt: str | None = Field(default=None, max_length=256)
+    # how cached KV may be reused for this request (the server's --reuse-mode by default):
+    # "exact" (prefix only, the full prefill's answer bit for bit), "repair", "fast" (blind)
+    kamera_reuse: Literal["exact", "repair", "fast"] | None = None
     user: str | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -182,9 +185,11 @@ class Usage(BaseModel):
 class CacheReport(BaseModel):
     """Where the prompt's KV came from and what it cost (our extension of the response)."""
 
-    prefix_tokens: int
-    relocated_tokens: int
-    prefilled_tokens: int
+    reuse_mode: Literal["exact", "repair", "fast"]
+    prefix_tokens: int  # reused exactly (the exact prefix, bit for bit)
+    relocated_tokens: int  # reused by content at a moved position or after other antecedents
+    repaired_tokens: int  # of those, recomputed through every layer by the repair
+    prefilled_tokens: int  # recomputed
     rotated_tokens: int
     lost_entries: int
     vision_encoder_calls: int

@@ -1,0 +1,272 @@
+"""``kamera bench consistency``: does reuse change the answer? Agent traffic replayed through
+the prompt cache that ``kamera serve`` runs, per context policy and reuse mode.
+
+Each request of a session (real agent trajectories, ``bench/traces_data.py``: tau-bench airline
+by default, dev half) is rewritten by a context policy (append, masked observations, a window
+of turns, a system prompt whose clock changes, reranked observations), rendered with the
+model's chat template (``agent.server.chat.render``), prepared by :class:`PromptCache` in one
+reuse mode after the session's earlier requests were committed in that same mode, and decoded
+greedily (``agent.server.generation.decode``): exactly what a chat completion does. The
+reference is the same request through the same code with nothing to reuse (a cache that never
+commits: a full prefill). Per policy and mode:
+
+- ``greedy_agreement``: requests whose generated tokens equal the full prefill's (over the
+  requests that reused anything, and over all);
+- ``first_token_agreement``; ``kl_mean`` / ``kl_max``: KL(full || cached) of the first token;
+- ``shares`` of prompt tokens: ``exact`` (the exact prefix, bit for bit), ``content`` (reused by
+  content at a moved position or after other antecedents), ``repair_recomputed`` (of those, the
+  tokens repair ran through every layer again), ``cached`` (exact + content), ``recomputed``;
+- ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
+  hits, measured side by side (median and mean), in the same process and thread count.
+
+Every mode replays its own history: what a mode stores depends on what it reused. Nothing
+here knows the reference when a request is prepared: the figures are the product's.
+
+Not here: the peer comparison with llama.cpp's server, or hit rates without a model
+(``kamera bench traces --tokenizer-only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from agent.server.chat import Message, render
+from agent.server.generation import SamplingParams, decode
+from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
+from bench.traces_data import get_policy, load_sessions, message_body
+from cache.store import StoreConfig, TieredStore
+
+DEFAULT_POLICIES = ("append", "mask-observations-2", "window-3", "dynamic-system", "rerank")
+ROLES = ("system", "user", "assistant")
+
+
+class Outcome(NamedTuple):
+    tokens: list[int]
+    logits: torch.Tensor  # first token's, [vocab]
+    ttft_s: float
+    usage: Any
+
+
+class Row(NamedTuple):
+    session: str
+    step: int
+    prompt_tokens: int
+    cached: Outcome
+    reference: Outcome
+
+
+def to_messages(request: Sequence[dict[str, Any]]) -> list[Message]:
+    """Trace messages as chat messages: tool results shown as user turns (the template has no
+    tool role), tool calls as JSON after the content (``message_body``)."""
+    return [Message(m.get("role") if m.get("role") in ROLES else "user", (message_body(m),)) for m in request]
+
+
+def run(pc: PromptCache, prompt: Any, salt: str, mode: ReuseMode, params: SamplingParams) -> Outcome:
+    t0 = time.perf_counter()
+    prepared = pc.prepare(prompt, salt, mode)
+    out = decode(pc.adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
+    ttft = out.first_token_at - t0
+    pc.commit(prepared)
+    return Outcome(out.tokens, prepared.logits, ttft, prepared.usage)
+
+
+def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
+    p = torch.log_softmax(reference.double(), -1)
+    q = torch.log_softmax(cached.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def summarize(rows: Sequence[Row]) -> dict[str, Any]:
+    hit = [r for r in rows if r.cached.usage.cached_tokens > 0]
+    total = sum(r.prompt_tokens for r in rows) or 1
+    u = [r.cached.usage for r in rows]
+    exact = sum(x.prefix_tokens for x in u)
+    repaired = sum(x.repaired_tokens for x in u)
+    content = sum(x.relocated_tokens for x in u)
+    kls = [kl(r.reference.logits, r.cached.logits) for r in rows]
+    ratios = [r.reference.ttft_s / r.cached.ttft_s for r in hit if r.cached.ttft_s > 0]
+
+    def share(rs: Sequence[Row], same: Any) -> float | None:
+        return round(sum(map(same, rs)) / len(rs), 4) if rs else None
+
+    return {
+        "requests": len(rows),
+        "requests_with_hits": len(hit),
+        "greedy_agreement_with_hits": share(hit, lambda r: r.cached.tokens == r.reference.tokens),
+        "greedy_agreement": share(rows, lambda r: r.cached.tokens == r.reference.tokens),
+        "first_token_agreement": share(rows, lambda r: r.cached.tokens[:1] == r.reference.tokens[:1]),
+        "kl_mean": round(statistics.fmean(kls), 6) if kls else None,
+        "kl_max": round(max(kls), 6) if kls else None,
+        "shares": {
+            "exact": round(exact / total, 4),
+            "content": round(content / total, 4),
+            "repair_recomputed": round(repaired / total, 4),
+            "cached": round((exact + content) / total, 4),
+            "recomputed": round(sum(x.prefilled_tokens for x in u) / total, 4),
+        },
+        "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
+        "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
+        "lost_entries": sum(x.lost_entries for x in u),
+    }
+
+
+def replay(
+    adapter: Any,
+    sessions: Sequence[Any],
+    policy_name: str,
+    modes: Sequence[ReuseMode],
+    config: PromptCacheConfig,
+    params: SamplingParams,
+    max_requests: int,
+    max_prompt_tokens: int,
+    store_bytes: int,
+    log: Any = print,
+) -> dict[str, list[Row]]:
+    policy = get_policy(policy_name)
+    caches = {
+        m: PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=store_bytes)), config)
+        for m in modes
+    }
+    reference = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20)), config)
+    rows: dict[str, list[Row]] = {m: [] for m in modes}
+    for s in sessions:
+        for step, request in enumerate(s.requests[:max_requests]):
+            pieces = render(adapter.tokenizer, to_messages(policy(request, step)))
+            prompt = build_prompt(adapter, pieces, reference.image_unit)
+            if prompt.n_tokens > max_prompt_tokens:
+                continue
+            ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
+            reference.reset()  # never reused: every reference is a full prefill
+            for m in modes:
+                pc = caches[m]
+                cached = run(pc, build_prompt(adapter, pieces, pc.image_unit), s.id, m, params)
+                rows[m].append(Row(s.id, step, prompt.n_tokens, cached, ref))
+                log(
+                    f"{policy_name:>20} {m:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
+                    f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
+                    f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
+                )
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kamera bench consistency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--source", default="tau_bench", help="tau_bench, swe_agent, mini_swe_agent or a .jsonl")
+    p.add_argument("--split", default="dev", choices=["dev", "test", "all"])
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--requests", type=int, default=8, help="requests replayed per session")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--modes", default=",".join(REUSE_MODES))
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=int, default=3000)
+    p.add_argument("--block-tokens", type=int, default=PromptCacheConfig.block_tokens)
+    p.add_argument("--min-reuse-tokens", type=int, default=PromptCacheConfig.min_reuse_tokens)
+    p.add_argument("--repair-ratio", type=float, default=PromptCacheConfig.repair_ratio)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--store-bytes", type=int, default=4 << 30)
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from agent.adapters.loading import load_adapter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in REUSE_MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(REUSE_MODES)}")
+    sessions = load_sessions(args.source, args.split)[: args.sessions]
+    if not sessions:
+        raise SystemExit(f"no sessions in {args.source} ({args.split}): is ../shared/data there?")
+    adapter = load_adapter(args.model)
+    config = PromptCacheConfig(
+        block_tokens=args.block_tokens, min_reuse_tokens=args.min_reuse_tokens, repair_ratio=args.repair_ratio
+    )
+    params = SamplingParams(max_tokens=args.max_tokens)
+    report: dict[str, Any] = {
+        "model": adapter.info.name,
+        "source": args.source,
+        "split": args.split,
+        "sessions": [s.id for s in sessions],
+        "requests_per_session": args.requests,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "config": {
+            "block_tokens": config.block_tokens,
+            "min_reuse_tokens": config.min_reuse_tokens,
+            "repair_ratio": config.repair_ratio,
+        },
+        "policies": {},
+    }
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+            rows = replay(
+                adapter,
+                sessions,
+                name,
+                modes,
+                config,
+                params,
+                args.requests,
+                args.max_prompt_tokens,
+                args.store_bytes,
+            )
+            report["policies"][name] = {m: summarize(r) for m, r in rows.items()}
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"consistency with a full prefill ({report['source']}, {report['split']})")
+    for col in (
+        "policy",
+        "mode",
+        "req (hits)",
+        "greedy=",
+        "first=",
+        "KL mean",
+        "cached",
+        "exact",
+        "content",
+        "repair",
+        "TTFT x",
+    ):
+        t.add_column(col, justify="right")
+    for policy, by_mode in report["policies"].items():
+        for mode, r in by_mode.items():
+            sh = r["shares"]
+            t.add_row(
+                policy,
+                mode,
+                f"{r['requests']} ({r['requests_with_hits']})",
+                str(r["greedy_agreement_with_hits"]),
+                str(r["first_token_agreement"]),
+                str(r["kl_mean"]),
+                str(sh["cached"]),
+                str(sh["exact"]),
+                str(sh["content"]),
+                str(sh["repair_recomputed"]),
+                str(r["ttft_ratio_median"]),
+            )
+    Console(width=200).print(t)
