@@ -2,7 +2,8 @@
 
 A step appends each observation (text, an image, a group of video frames) to the window, each
 prefilled in context (images reuse their vision features by content), prefills the instruction,
-generates, parses the output with a policy, and records the exchange as a chunk of the window
+generates (under the policy's grammar when it has one, so the action policy's replies always
+parse), parses the output with the policy, and records the exchange as a chunk of the window
 straight from the model cache (no second prefill). Canonical KV and patches of the new chunks
 are fitted after the answer, off the path to the first token.
 
@@ -22,6 +23,7 @@ from PIL import Image
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.context import ContextManager, WindowConfig
+from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
 from cache.store import StoreConfig, TieredStore
 
@@ -131,13 +133,20 @@ class Agent:
         chat: ChatFormat | None = None,
         max_new_tokens: int = 64,
         finalize: bool = True,
+        constrain: bool = True,
+        grammar: GrammarEngine | None = None,
     ) -> None:
+        """``constrain``: decode under the policy's grammar (if it has one); False lets the model
+        write freely (its replies may then not parse). ``grammar``: an engine over the model's
+        tokenizer to share (built on the first constrained step otherwise)."""
         self.adapter = adapter
         self.chat = chat or ChatML()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.store = store or TieredStore.from_config(StoreConfig(host_bytes=2 << 30))
         self.max_new_tokens = max_new_tokens
         self.auto_finalize = finalize
+        self.constrain = constrain
+        self._grammar = grammar
         self.context = ContextManager(
             adapter, self.store, window or WindowConfig(), self._text(self.chat.system(system_prompt))
         )
@@ -179,7 +188,8 @@ class Agent:
         prompt = self._text(self.chat.instruction(instruction))
         cache = cm.cache()
         start = cm.next_start
-        gen = self.adapter.generate(prompt, cache, start, max_new_tokens or self.max_new_tokens)
+        budget = max_new_tokens or self.max_new_tokens
+        gen = self.adapter.generate(prompt, cache, start, budget, constraint=self._constraint(budget))
         ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
         c.tokens_prefilled += prompt.n_tokens + len(gen.tokens)
         c.tokens_reused += reused
@@ -202,6 +212,14 @@ class Agent:
             evicted=tuple(e for e in cm.evicted if e not in evicted_before),
         )
         return StepResult(output, self.policy.parse(output), report, tuple(ids))
+
+    def _constraint(self, max_tokens: int) -> Constraint | None:
+        grammar = self.policy.grammar(max_tokens) if self.constrain else None
+        if grammar is None:
+            return None
+        if self._grammar is None:  # the token table is built once per agent
+            self._grammar = GrammarEngine.for_adapter(self.adapter)
+        return self._grammar.constraint(grammar)
 
     def _record_turn(self, prompt: TextInput, generated: list[int], cache: Any, start: int) -> None:
         """Keep instruction + answer in the window, taking their KV from the cache just used."""

@@ -8,6 +8,13 @@ reply (the first line that parses wins)::
 
 Coordinates are integers in screenshot pixels. Strings are double-quoted with JSON escapes. An
 unparseable reply becomes :class:`Unparsed` (with the reason), never an exception.
+
+A policy may also give a grammar (Lark, for ``agent.grammar``) that its replies are decoded
+under: :meth:`ActionPolicy.grammar` is the action grammar, so a model decoded under it always
+writes one parseable action. Its strings are printable ASCII without quotes or backslashes and
+at most ``max_tokens - 8`` characters, integers at most four digits without leading zeros: every
+action it allows fits in ``max_tokens`` tokens (a token is at least one character), so the budget
+never cuts one short.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ class Policy(Protocol):
     def name(self) -> str: ...
 
     def parse(self, output: str) -> Any: ...
+
+    def grammar(self, max_tokens: int) -> str | None:
+        """The Lark grammar replies are decoded under, or None for free text."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,24 @@ VERBS: dict[str, tuple[type, ...]] = {
     "back": (),
     "done": (str,),
 }
+MIN_ACTION_TOKENS = 20  # the longest action without strings: click(-9999, -9999)
+_INT = "/-?(0|[1-9][0-9]{0,3})/"
+_STRING = '/"[ !#-\\[\\]-~]{0,%d}"/'  # printable ASCII but '"' and '\\'
+
+
+def action_grammar(max_tokens: int) -> str:
+    """Lark for exactly one action of :data:`VERBS` that fits in ``max_tokens`` tokens."""
+    if max_tokens < MIN_ACTION_TOKENS:
+        raise ValueError(f"an action needs up to {MIN_ACTION_TOKENS} tokens, max_tokens is {max_tokens}")
+    arg = {int: "int", str: "str"}
+    rules = [f"start: {' | '.join(VERBS)}"]
+    for verb, types in VERBS.items():
+        args = ' ", " '.join(arg[t] for t in types)
+        rules.append(f'{verb}: "{verb}(" {args} ")"' if args else f'{verb}: "{verb}()"')
+    rules += [f"int: {_INT}", f"str: {_STRING % (max_tokens - 8)}"]
+    return "\n".join(rules) + "\n"
+
+
 _CALL = re.compile(r"\b(" + "|".join(VERBS) + r")\s*\((.*)\)\s*$")
 
 
@@ -81,6 +110,9 @@ class TextPolicy:
     def parse(self, output: str) -> str:
         return output.strip()
 
+    def grammar(self, max_tokens: int) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class ActionPolicy:
@@ -94,6 +126,9 @@ class ActionPolicy:
             except ValueError as e:
                 reasons.append(str(e))
         return Unparsed(output, reasons[0] if reasons else "empty output")
+
+    def grammar(self, max_tokens: int) -> str:
+        return action_grammar(max_tokens)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {"text": lambda: TextPolicy(), "action": lambda: ActionPolicy()}

@@ -8,8 +8,13 @@ latest screenshot in the window nothing is added, if it slid out it is recalled 
 patch, rotated), and if it sits earlier in the window it is moved to the end the same way. The vision encoder
 therefore runs once per distinct screenshot over the whole run.
 
-An answer that does not parse is reported and asked again (``--retries`` times in a row) before
-the run ends; a refused navigation (outside the allowlist) is reported and the run goes on. A
+The model's answers are decoded under the action grammar (``agent/policies.py``,
+``ActionPolicy.grammar``), so they always parse: a model that cannot spell the actions in its
+vocabulary is a clear error, not a run of retries. Under a script the model still answers each
+screenshot under the grammar (not acted on; each step and the summary count
+``model_parse_errors``). ``--no-grammar`` lets the model write freely. An answer that does not
+parse (free, or scripted) is reported and asked again (``--retries`` times in a row) before the
+run ends; a refused navigation (outside the allowlist) is reported and the run goes on. A
 scripted policy (``--policy script.json``, a JSON list of action strings) replays given answers
 in place of the model's, through the same parser; the model still runs on every screenshot so
 the cache figures are real, unless ``--no-model``.
@@ -37,8 +42,9 @@ from typing import Any
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError
 from agent.context import ContextManager, WindowConfig
+from agent.grammar import GrammarError
 from agent.loop import Agent, encoder_calls
-from agent.policies import Action, ActionPolicy, Unparsed
+from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
 from demos.report import render_run
 from demos.video_qa import TINY, UsageError, load_vl_adapter
 
@@ -88,6 +94,7 @@ class WebSession:
             WindowConfig(budget_tokens=args.budget),
             policy="action",
             max_new_tokens=args.max_new_tokens,
+            constrain=not args.no_grammar,
         )
 
     @property
@@ -202,6 +209,8 @@ def step_once(
             output, ttft = session.ask(text)
             record["outputs"].append(output)
             record.setdefault("ttft_ms", observe_ms + ttft)
+            record.setdefault("model_parse_errors", 0)
+            record["model_parse_errors"] += isinstance(policy.parse(output), Unparsed)
         if script is not None:
             output = script.next()
             if output is None:
@@ -251,6 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         torch.set_num_threads(args.threads)
     script = Script(args.policy) if args.policy else None
+    if not args.no_model and not args.no_grammar and args.max_new_tokens < MIN_ACTION_TOKENS:
+        raise UsageError(f"--max-new-tokens must be at least {MIN_ACTION_TOKENS} under the action grammar")
     if script is None and args.no_model:
         raise UsageError("--no-model needs a scripted --policy")
     try:
@@ -294,6 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vision_encoder_calls": 0 if session is None else encoder_calls(session.adapter),
         "distinct_screenshots": len(state.distinct),
         "refused": refused,
+        "model_parse_errors": sum(s.get("model_parse_errors", 0) for s in state.steps),
         "blocked_requests": blocked,
         "total_s": time.perf_counter() - t0,
         "run_dir": str(run_dir),
@@ -320,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--retries", type=int, default=2, help="new answers asked after an unparseable one (2)")
     p.add_argument("--budget", type=int, default=8192, help="window token budget (8192)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="per answer (32; at least 20 under the grammar)"
+    )
+    p.add_argument(
+        "--no-grammar", action="store_true", help="let the model write freely (answers may not parse)"
+    )
     p.add_argument("--allow", action="append", default=[], help="allowed origin (default: the start URL's)")
     p.add_argument("--viewport", default="1280x800", help="WIDTHxHEIGHT (1280x800)")
     p.add_argument("--out", type=Path, help="run folder (default runs/<timestamp>)")
@@ -351,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(args)
     except (UsageError, BrowserError, ModelNotFoundError, UnsupportedModelError) as e:
         print(f"kamera web-agent: error: {e}", file=sys.stderr)
+        return 2
+    except GrammarError as e:
+        print(f"kamera web-agent: error: {e} (--no-grammar decodes freely)", file=sys.stderr)
         return 2
     print_summary(summary)
     if args.json:

@@ -54,9 +54,11 @@ def test_scripted_tour_with_model(site: str, tmp_path: Path) -> None:
     script.write_text(json.dumps(SCRIPT))
     code, summary = _run(
         site, tmp_path / "run", "--policy", str(script), "--model", "tiny", "--keep", "2",
-        "--max-new-tokens", "4", "--retries", "1",
+        "--max-new-tokens", "20", "--retries", "1",
     )  # fmt: skip
     assert code == 0
+    # the model's own answer on every screenshot of the tour, decoded under the action grammar
+    assert summary["model_parse_errors"] == 0
     assert summary["finished"] is True
     assert summary["run_dir"] == str(tmp_path / "run")
     steps = summary["steps"]
@@ -96,10 +98,22 @@ def test_scripted_tour_with_model(site: str, tmp_path: Path) -> None:
 
 
 @needs_chromium
+def test_model_answers_under_the_grammar_always_parse(site: str, tmp_path: Path) -> None:
+    code, summary = _run(
+        site, tmp_path / "run", "--model", "tiny", "--retries", "0", "--max-steps", "3",
+        "--max-new-tokens", "20",
+    )  # fmt: skip
+    records = json.loads((tmp_path / "run" / "steps.json").read_text())
+    assert summary["model_parse_errors"] == 0
+    assert all(r["parse_errors"] == [] and r["action"] for r in records)
+    assert code == (0 if summary["finished"] else 1)
+
+
+@needs_chromium
 def test_unparseable_model_answers_end_the_run(site: str, tmp_path: Path) -> None:
     code, summary = _run(
         site, tmp_path / "run", "--model", "tiny", "--retries", "1", "--max-steps", "3",
-        "--max-new-tokens", "4",
+        "--max-new-tokens", "4", "--no-grammar",
     )  # fmt: skip
     assert code == 1
     assert summary["finished"] is False
@@ -117,6 +131,8 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     bad = tmp_path / "script.json"
     bad.write_text('{"not": "a list"}')
     assert main(["--start-url", "http://127.0.0.1:9/", *base, "--policy", str(bad), "--no-model"]) == 2
+    short = ["--start-url", "http://127.0.0.1:9/", *base, "--model", "tiny", "--max-new-tokens", "8"]
+    assert main(short) == 2  # an action under the grammar may need 20 tokens
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.count("kamera web-agent: error:") == 3
+    assert err.count("kamera web-agent: error:") == 4

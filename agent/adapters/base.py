@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -75,6 +75,23 @@ class Generation(NamedTuple):
     tokens: list[int]
     first_token_s: float
     total_s: float
+
+
+class TokenConstraint(Protocol):
+    """What decoding under a grammar needs (``agent.grammar.Constraint`` is one)."""
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """bool ``[vocab]``: the tokens allowed next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Take the chosen token (one that was allowed)."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing but an end token may follow."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -196,26 +213,40 @@ class ModelAdapter(ABC):
         start: int,
         max_new_tokens: int,
         first_logits: torch.Tensor | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Generation:
         """Greedy decoding after ``prompt`` placed at ``start`` on ``cache`` (which grows).
 
         Returns the generated token ids (end token excluded) and timings; the time to first
-        token covers the prompt's prefill and the first argmax.
+        token covers the prompt's prefill and the first argmax. Under a ``constraint`` the
+        argmax is over the tokens it allows, and decoding stops once it is finished.
         """
         import time
+
+        def pick(logits: torch.Tensor) -> int:
+            if constraint is None:
+                return int(logits.argmax())
+            allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
+            if not bool(allowed.any()):
+                raise ValueError("the grammar allows no token of this model's vocabulary")
+            return int(logits.masked_fill(~allowed, float("-inf")).argmax())
 
         t0 = time.perf_counter()
         if first_logits is None:
             first_logits = self.next_logits(prompt, cache, start)
         _, extent = self.chunk_positions(prompt)
         pos = start + extent
-        token = int(first_logits.argmax())
+        token = pick(first_logits)
         first = time.perf_counter() - t0
         tokens: list[int] = []
         while token not in self.eos_ids and len(tokens) < max_new_tokens:
             tokens.append(token)
+            if constraint is not None:
+                constraint.advance(token)
+                if constraint.finished:
+                    break
             if len(tokens) == max_new_tokens:
                 break
-            token = int(self.decode_step(token, cache, pos).argmax())
+            token = pick(self.decode_step(token, cache, pos))
             pos += 1
         return Generation(tokens, first, time.perf_counter() - t0)

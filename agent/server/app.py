@@ -33,12 +33,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent.adapters.loading import WORLD_VL
 from agent.context import RecallError
+from agent.grammar import GrammarError
 from agent.loop import FramesObservation, ImageObservation, Observation, StepResult, TextObservation
+from agent.policies import MIN_ACTION_TOKENS
 from agent.server import schemas as S
 from agent.server.auth import OPEN_PATHS, AuthMiddleware
 from agent.server.chat import Message as ChatMsg
-from agent.server.chat import Piece, TemplateError
-from agent.server.generation import SamplingParams
+from agent.server.chat import Piece, TemplateError, takes_tools
+from agent.server.generation import SamplingParams, TokenLogprob
 from agent.server.limits import BodyLimitMiddleware
 from agent.server.media import BadMediaError, MediaLimitError, load_image_url, load_video_url
 from agent.server.metrics import Metrics
@@ -47,8 +49,11 @@ from agent.server.runtime import ChatOutcome, PromptTooLongError, Runtime
 from agent.server.scheduler import CancelledJobError, DrainingError, QueueFullError
 from agent.server.sessions import Session, SessionLimitError, SessionNotFoundError
 from agent.server.strict import describe, strict_route
+from agent.server.structured import OutputPlan, call_out, logprob_content, output_plan
+from agent.server.tools import CallStream, ToolCall, ToolError, split_calls
 
 T = TypeVar("T")
+Event = tuple[str, str, list[TokenLogprob]]  # a streaming job's (kind, text, logprobs of the text)
 log = logging.getLogger("kamera.server")
 PREPARE_ERRORS = (MediaLimitError, BadMediaError, PromptTooLongError, TemplateError)
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -75,6 +80,7 @@ class ApiError(Exception):
             retry_after,
             param,
         )
+        self.param = param
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}}
@@ -98,6 +104,7 @@ def api_error(exc: BaseException) -> ApiError | None:
         (BadMediaError, 400, "bad_media", "invalid_request_error"),
         (NoImagesError, 400, "images_unsupported", "invalid_request_error"),
         (TemplateError, 400, "bad_messages", "invalid_request_error"),
+        (GrammarError, 400, "invalid_grammar", "invalid_request_error"),
         (ValueError, 400, "invalid_request", "invalid_request_error"),
     ]
     for cls, status, code, kind in table:
@@ -292,8 +299,22 @@ def create_app(runtime: Runtime) -> FastAPI:
     def to_messages(body: S.ChatCompletionRequest) -> list[ChatMsg]:
         """Decode media (on the thread pool): the request's messages with images in place."""
         out, frames_left = [], limits.max_frames
+        native_tools = takes_tools(runtime.adapter.tokenizer)
         for m in body.messages:
             role = "system" if m.role == "developer" else m.role
+            if m.role == "tool" and not native_tools:
+                text = (
+                    m.content
+                    if isinstance(m.content, str)
+                    else "".join(p.text for p in m.content or () if isinstance(p, S.TextPart))
+                )
+                out.append(ChatMsg("user", (f"<tool_response>\n{text}\n</tool_response>",)))
+                continue
+            if m.tool_calls:
+                calls = [ToolCall(c.id, c.function.name, c.function.arguments).text() for c in m.tool_calls]
+                text = m.content if isinstance(m.content, str) else ""
+                out.append(ChatMsg(role, tuple(p for p in (text, *calls) if p)))
+                continue
             if m.content is None or isinstance(m.content, str):
                 out.append(ChatMsg(role, (m.content or "",)))
                 continue
@@ -310,9 +331,10 @@ def create_app(runtime: Runtime) -> FastAPI:
             out.append(ChatMsg(role, tuple(parts)))
         return out
 
-    def prompt_pieces(body: S.ChatCompletionRequest) -> list[Piece]:
-        """Media decoded and text tokenized (on the thread pool, not the model thread)."""
-        return runtime.render(to_messages(body))
+    def prompt_pieces(body: S.ChatCompletionRequest, plan: OutputPlan) -> list[Piece]:
+        """Media decoded and text tokenized (on the thread pool, not the model thread), the
+        plan's tool definitions rendered into the prompt."""
+        return runtime.render(to_messages(body), plan.definitions)
 
     def check_length(body: S.ChatCompletionRequest) -> None:
         """Refuse a prompt whose text is certainly too long, before it takes a queue place."""
@@ -339,13 +361,48 @@ def create_app(runtime: Runtime) -> FastAPI:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ApiError(400, "stop takes at most 4 non-empty strings", "bad_stop", param="stop")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "invalid_request", param="top_logprobs")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed or 0,
             stop=tuple(stop),
+            logprobs=bool(body.logprobs),
+            top_logprobs=body.top_logprobs or 0,
         )
+
+    async def plan_of(body: S.ChatCompletionRequest) -> OutputPlan:
+        """Tools, grammar and call parsing of a request; a 400 naming the field if they do not
+        hold together or the grammar does not compile."""
+        try:
+            plan = output_plan(body)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), "invalid_tools", param=exc.param) from None
+        if plan.grammar is not None:
+            try:
+                await run_in_threadpool(runtime.grammar.check, plan.grammar)
+            except GrammarError as exc:
+                param = "response_format" if body.response_format is not None else "tools"
+                raise ApiError(
+                    400, f"cannot decode under this schema: {exc}", "invalid_schema", param=param
+                ) from None
+        return plan
+
+    def choice_logprobs(params: SamplingParams, lps: list[TokenLogprob]) -> S.ChoiceLogprobs | None:
+        if not params.logprobs:
+            return None
+        return S.ChoiceLogprobs(content=logprob_content(runtime.adapter.tokenizer, lps))
+
+    def message_of(plan: OutputPlan, text: str) -> tuple[S.AssistantMessage, bool]:
+        """The assistant message of generated ``text``, and whether it holds tool calls."""
+        if not plan.parse_calls:
+            return S.AssistantMessage(content=text), False
+        content, calls = split_calls(text, plan.tool_names)
+        if not calls:
+            return S.AssistantMessage(content=text), False
+        return S.AssistantMessage(content=content or None, tool_calls=[call_out(c) for c in calls]), True
 
     def record_chat(outcome: ChatOutcome, arrival: float, started: float) -> S.CacheReport:
         u = outcome.usage
@@ -393,26 +450,30 @@ def create_app(runtime: Runtime) -> FastAPI:
         check_media(body)
         check_length(body)
         params = sampling(body)
+        plan = await plan_of(body)
         salt = runtime.tenant_salt(tenant, body.cache_salt)
         cid, created, name = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), runtime.config.name
         if body.stream:
-            return await stream_chat(request, body, params, salt, cid, created, name, arrival)
+            return await stream_chat(request, body, params, plan, salt, cid, created, name, arrival)
 
         async def work() -> S.ChatCompletion:
             try:
-                pieces = await run_in_threadpool(prompt_pieces, body)
+                pieces = await run_in_threadpool(prompt_pieces, body, plan)
             except PREPARE_ERRORS as exc:
                 raise refuse(exc) from None
             cancel = threading.Event()
 
             def job() -> tuple[float, ChatOutcome]:
                 started = time.perf_counter()
-                return started, runtime.chat(pieces, params, salt, cancel, mode=body.kamera_reuse)
+                return started, runtime.chat(
+                    pieces, params, salt, cancel, mode=body.kamera_reuse, grammar=plan.grammar
+                )
 
             started, outcome = await watched(request, job, cancel)
             report = record_chat(outcome, arrival, started)
-            finish: Literal["stop", "length"] = (
-                "length" if outcome.decoded.finish_reason == "length" else "stop"
+            message, called = message_of(plan, outcome.decoded.text)
+            finish: Literal["stop", "length", "tool_calls"] = (
+                "tool_calls" if called else "length" if outcome.decoded.finish_reason == "length" else "stop"
             )
             return S.ChatCompletion(
                 id=cid,
@@ -421,7 +482,8 @@ def create_app(runtime: Runtime) -> FastAPI:
                 choices=[
                     S.Choice(
                         index=0,
-                        message=S.AssistantMessage(content=outcome.decoded.text),
+                        message=message,
+                        logprobs=choice_logprobs(params, outcome.decoded.logprobs),
                         finish_reason=finish,
                     )
                 ],
@@ -435,6 +497,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         request: Request,
         body: S.ChatCompletionRequest,
         params: SamplingParams,
+        plan: OutputPlan,
         salt: str,
         cid: str,
         created: int,
@@ -451,15 +514,15 @@ def create_app(runtime: Runtime) -> FastAPI:
         handed = False
         try:
             try:
-                pieces = await run_in_threadpool(prompt_pieces, body)
+                pieces = await run_in_threadpool(prompt_pieces, body, plan)
             except PREPARE_ERRORS as exc:
                 raise refuse(exc) from None
             loop = asyncio.get_running_loop()
-            events: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+            events: asyncio.Queue[Event] = asyncio.Queue()
             cancel = threading.Event()
 
-            def emit(kind: str, text: str = "") -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, text))
+            def emit(kind: str, text: str = "", lps: list[TokenLogprob] | None = None) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, text, lps or []))
 
             def job() -> tuple[float, ChatOutcome]:
                 started = time.perf_counter()
@@ -469,15 +532,16 @@ def create_app(runtime: Runtime) -> FastAPI:
                     salt,
                     cancel,
                     on_start=lambda: emit("start"),
-                    on_text=lambda t: emit("text", t),
+                    on_text=lambda t, lps: emit("text", t, lps),
                     mode=body.kamera_reuse,
+                    grammar=plan.grammar,
                 )
 
             task = asyncio.ensure_future(runtime.worker.run(job, cancel, tenant))
             task.add_done_callback(lambda _: runtime.worker.leave(tenant))
-            task.add_done_callback(lambda _: events.put_nowait(("done", "")))
+            task.add_done_callback(lambda _: events.put_nowait(("done", "", [])))
             handed = True
-            kind, _ = await _next_event(request, events, cancel)
+            kind, _, _ = await _next_event(request, events, cancel)
             if kind == "done":  # failed before the first token: a plain error response
                 try:
                     task.result()
@@ -487,23 +551,57 @@ def create_app(runtime: Runtime) -> FastAPI:
             if not handed:
                 runtime.worker.leave(tenant)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, lps: list[TokenLogprob] | None = None
+        ) -> str:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            if params.logprobs:
+                content = logprob_content(runtime.adapter.tokenizer, lps or [])
+                choice["logprobs"] = {"content": [c.model_dump() for c in content]} if content else None
             data = {
                 "id": cid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": name,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": [choice],
             }
             return f"data: {json.dumps(data)}\n\n"
+
+        calls = CallStream(plan.tool_names) if plan.parse_calls else None
+        pending: list[TokenLogprob] = []  # logprobs of text the call parser still holds
+
+        def deltas(items: Any) -> list[str]:
+            """SSE chunks of parsed output: content, or a tool call as OpenAI streams one (its id,
+            name and empty arguments, then the arguments)."""
+            out = []
+            for item in items:
+                lps = pending[:]
+                pending.clear()
+                if isinstance(item, str):
+                    out.append(chunk({"content": item}, lps=lps))
+                    continue
+                index = len(calls.calls) - 1 if calls is not None else 0
+                head = {"index": index, "id": item.id, "type": "function"}
+                fn = {"name": item.name, "arguments": ""}
+                out.append(chunk({"tool_calls": [{**head, "function": fn}]}, lps=lps))
+                out.append(
+                    chunk({"tool_calls": [{"index": index, "function": {"arguments": item.arguments}}]})
+                )
+            return out
 
         async def sse() -> AsyncIterator[str]:
             try:
                 yield chunk({"role": "assistant", "content": ""})
                 while True:
-                    kind, text = await _next_event(request, events, cancel)
+                    kind, text, lps = await _next_event(request, events, cancel)
                     if kind == "text":
-                        yield chunk({"content": text})
+                        if calls is None:
+                            if text or lps:
+                                yield chunk({"content": text}, lps=lps)
+                            continue
+                        pending.extend(lps)
+                        for line in deltas(calls.push(text)):
+                            yield line
                         continue
                     if kind != "done":
                         continue
@@ -520,7 +618,14 @@ def create_app(runtime: Runtime) -> FastAPI:
                         yield "data: [DONE]\n\n"
                         return
                     record_chat(outcome, arrival, started)
+                    if calls is not None:
+                        for line in deltas(calls.close()):
+                            yield line
+                        if pending:
+                            yield chunk({}, lps=pending)
                     finish = "length" if outcome.decoded.finish_reason == "length" else "stop"
+                    if calls is not None and calls.calls:
+                        finish = "tool_calls"
                     yield chunk({}, finish)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         data = {
@@ -545,9 +650,7 @@ def create_app(runtime: Runtime) -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _next_event(
-        request: Request, events: asyncio.Queue[tuple[str, str]], cancel: threading.Event
-    ) -> tuple[str, str]:
+    async def _next_event(request: Request, events: asyncio.Queue[Event], cancel: threading.Event) -> Event:
         """The next event of a streaming job; checks the client between events."""
         while True:
             with suppress(TimeoutError):
@@ -605,6 +708,14 @@ def create_app(runtime: Runtime) -> FastAPI:
         if body.max_tokens > limits.max_tokens:
             raise ApiError(
                 400, f"max_tokens exceeds the server's {limits.max_tokens}", "max_tokens", param="max_tokens"
+            )
+        if body.policy == "action" and body.max_tokens < MIN_ACTION_TOKENS:
+            raise ApiError(
+                400,
+                f"an action session needs max_tokens >= {MIN_ACTION_TOKENS} (its replies are decoded "
+                "under the action grammar)",
+                "max_tokens",
+                param="max_tokens",
             )
         try:
             runtime.sessions.reserve(tenant)

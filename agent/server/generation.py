@@ -2,8 +2,13 @@
 
 Tokens are decoded one at a time on the model cache the prompt left; after each, the text so far
 is decoded again and the new, safe part handed to ``on_text`` (text that could still turn into a
-stop string, or an incomplete UTF-8 character, is held back until it cannot). ``cancel`` is
-checked between tokens: a client that went away stops the work.
+stop string, or an incomplete UTF-8 character, is held back until it cannot), with the log
+probabilities of the tokens behind it when asked for. ``cancel`` is checked between tokens: a
+client that went away stops the work.
+
+Under a grammar (``grammar.Constraint``) the tokens it does not allow get ``-inf`` before
+sampling, and generation stops as soon as the grammar is complete. Log probabilities are the
+model's own (its logits before the mask, the temperature and top_p), as a client would score text.
 
 Not here: the prompt (``prompt_cache.py``) or how text reaches a client (``app.py``).
 """
@@ -19,8 +24,11 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.grammar import Constraint, GrammarError
 
 FinishReason = Literal["stop", "length", "cancelled"]
+MAX_TOP_LOGPROBS = 20
+TextCallback = Callable[[str, list["TokenLogprob"]], None]
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +53,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+
+
+class TokenLogprob(NamedTuple):
+    """One generated token's log probability and the ``top`` alternatives (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Log-softmax of ``logits [vocab]`` at ``token``, and its ``top`` best tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = logp.topk(top)
+        best = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+    return TokenLogprob(token, float(logp[token]), best)
 
 
 class Decoded(NamedTuple):
@@ -50,6 +82,7 @@ class Decoded(NamedTuple):
     tokens: list[int]
     finish_reason: FinishReason
     first_token_at: float  # time.perf_counter() when the first token was chosen
+    logprobs: list[TokenLogprob]  # one per token when asked for, else empty
 
 
 class Sampler:
@@ -111,23 +144,48 @@ def decode(
     position: int,
     params: SamplingParams,
     cancel: threading.Event,
-    on_text: Callable[[str], None] | None = None,
+    on_text: TextCallback | None = None,
+    constraint: Constraint | None = None,
 ) -> Decoded:
     """Generate after a prompt whose last logits are ``first_logits``; the next token sits at
     ``position`` on ``cache`` (which grows)."""
     sample = Sampler(params)
     stream = TextStream(adapter.tokenizer, params.stop)
-    token = sample(first_logits)
+    logprobs: list[TokenLogprob] = []
+    sent = 0  # logprobs already handed to on_text
+
+    def choose(logits: torch.Tensor) -> int:
+        if constraint is not None:
+            allowed = constraint.allowed(logits.shape[-1])
+            if not allowed.any():
+                raise GrammarError("the grammar allows no token of this model's vocabulary")
+            masked = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            token = sample(masked)
+        else:
+            token = sample(logits)
+        if params.logprobs:
+            logprobs.append(token_logprob(logits, token, params.top_logprobs))
+        return token
+
+    def send(delta: str) -> None:
+        nonlocal sent
+        if delta and on_text is not None:
+            on_text(delta, logprobs[sent:])
+            sent = len(logprobs)
+
+    token = choose(first_logits)
     first_at = time.perf_counter()
     reason: FinishReason = "length"
     while True:
         if token in adapter.eos_ids:
+            if params.logprobs:
+                logprobs.pop()  # the end token is not part of the text
             reason = "stop"
             break
-        delta = stream.push(token)
-        if delta and on_text is not None:
-            on_text(delta)
-        if stream.stopped:
+        if constraint is not None:
+            constraint.advance(token)
+        send(stream.push(token))
+        if stream.stopped or (constraint is not None and constraint.finished):
             reason = "stop"
             break
         if len(stream.tokens) >= params.max_tokens:
@@ -135,9 +193,9 @@ def decode(
         if cancel.is_set():
             reason = "cancelled"
             break
-        token = sample(adapter.decode_step(token, cache, position))
+        token = choose(adapter.decode_step(token, cache, position))
         position += 1
-    tail = stream.flush() if not stream.stopped else ""
-    if tail and on_text is not None:
-        on_text(tail)
-    return Decoded(stream.text, stream.tokens, reason, first_at)
+    tail = "" if stream.stopped else stream.flush()
+    if on_text is not None and (tail or len(logprobs) > sent):
+        on_text(tail, logprobs[sent:])
+    return Decoded(stream.text, stream.tokens, reason, first_at, logprobs)

@@ -22,9 +22,10 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
+from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
 from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
-from agent.server.generation import Decoded, SamplingParams, decode
+from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
@@ -117,6 +118,8 @@ class Runtime:
         self.draining = False
         self.error: str | None = None
         self.started = time.time()
+        self._grammar: GrammarEngine | None = None
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def load(cls, config: RuntimeConfig) -> Runtime:
@@ -125,6 +128,14 @@ class Runtime:
     @property
     def takes_images(self) -> bool:
         return hasattr(self.adapter, "image")
+
+    @property
+    def grammar(self) -> GrammarEngine:
+        """The grammar engine over the model's tokenizer, built on first use (under a second)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarEngine.for_adapter(self.adapter)
+            return self._grammar
 
     # --- health and lifecycle ---------------------------------------------------------------
 
@@ -173,10 +184,11 @@ class Runtime:
                 f"{what} has at least {least} tokens (from its length), over the limit of {limit}"
             )
 
-    def render(self, messages: Sequence[Message]) -> list[Piece]:
-        """The prompt's pieces, tokenized by the calling thread (not the model's); PromptTooLongError
-        when its text alone exceeds ``max_prompt_tokens``."""
-        pieces = render(self.adapter.tokenizer, messages)
+    def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> list[Piece]:
+        """The prompt's pieces (``tools``: function definitions rendered into it), tokenized by
+        the calling thread (not the model's); PromptTooLongError when its text alone exceeds
+        ``max_prompt_tokens``."""
+        pieces = render(self.adapter.tokenizer, messages, tools)
         n_text = sum(len(p.ids) for p in pieces if isinstance(p, TextPiece))
         if n_text > self.limits.max_prompt_tokens:
             raise PromptTooLongError(
@@ -193,12 +205,15 @@ class Runtime:
         tenant_salt: str,
         cancel: threading.Event,
         on_start: Callable[[], None] | None = None,
-        on_text: Callable[[str], None] | None = None,
+        on_text: TextCallback | None = None,
         mode: ReuseMode | None = None,
+        grammar: str | None = None,
     ) -> ChatOutcome:
-        """Plan and prefill the prompt (from :meth:`render`), generate, then store its new chunks."""
+        """Plan and prefill the prompt (from :meth:`render`), generate (under ``grammar``, Lark,
+        when given), then store its new chunks."""
         t0 = time.perf_counter()
         with torch.inference_mode():
+            constraint = None if grammar is None else self.grammar.constraint(grammar)
             prompt = build_prompt(self.adapter, pieces, self.prompt_cache.image_unit)
             if prompt.n_tokens > self.limits.max_prompt_tokens:
                 raise PromptTooLongError(
@@ -210,7 +225,14 @@ class Runtime:
                 on_start()
             try:
                 decoded = decode(
-                    self.adapter, prepared.logits, prepared.cache, prepared.position, params, cancel, on_text
+                    self.adapter,
+                    prepared.logits,
+                    prepared.cache,
+                    prepared.position,
+                    params,
+                    cancel,
+                    on_text,
+                    constraint,
                 )
             finally:
                 prepared.cache = None  # the request's own cache is not kept
@@ -229,6 +251,7 @@ class Runtime:
                 store=self.store,
                 policy=policy,
                 max_new_tokens=max_tokens,
+                grammar=self.grammar if policy == "action" else None,
             )
 
     def step(
