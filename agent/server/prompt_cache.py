@@ -27,12 +27,19 @@ Every prompt is committed as a :class:`Record` (its chunk table: unit span -> st
 payload the radix tree and content index point at. A reused chunk whose store entry was
 evicted becomes a miss and is prefilled and stored again.
 
+Replicas: with a shared tier in the store (Redis), the keys a plan needs and no local tier holds,
+its misses' included, are asked for in one round trip before the chunks are fetched
+(``TieredStore.prefetch``). A miss found there was prefilled by another replica: it is reused
+like a relocated hit (blind, at this prompt's position) and counted in ``shared_tokens``. Its
+source position is unknown here, so it is not counted in ``rotated_tokens``.
+
 Not here: patches for relocated chunks, sampling (``generation.py``), threads (``runtime.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,7 +52,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
-from cache.keys import Namespace, token_key
+from cache.keys import ContentKey, Namespace, chain_key, token_key
 from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
@@ -191,6 +198,7 @@ class PromptUsage(NamedTuple):
     rotated_tokens: int  # reused tokens whose position changed (δ != 0)
     lost_entries: int  # planned reuse whose store entry was gone (prefilled instead)
     vision_encoder_calls: int
+    shared_tokens: int = 0  # reused tokens whose KV came from the shared tier (another replica)
 
     @property
     def cached_tokens(self) -> int:
@@ -203,6 +211,7 @@ class _Step(NamedTuple):
     kv: ChunkKV | None  # reused KV; None for a miss
     delta: int
     prefix: bool
+    shared: bool = False  # its KV came from the shared tier on this request
 
 
 @dataclass
@@ -235,6 +244,20 @@ class PromptCache:
         size = int(getattr(vocab, "num_embeddings", 1 << 20))
         self._image_base = 1 << max(16, size.bit_length())
         self._image_ids: dict[str, int] = {}
+        self._image_keys: dict[int, str] = {}  # unit -> content key
+
+    def store_key(self, ns: Namespace, units: np.ndarray) -> str:
+        """Store key of the conditioned KV of the chunk ``units`` [n].
+
+        Image units are ids of this process only, so a chunk holding images is keyed by their
+        content keys too: replicas sharing a tier compute equal keys for equal content, and two
+        images that got the same id in two processes never share a key.
+        """
+        key = token_key(ns, units)
+        for unit in units[units >= self._image_base].tolist():
+            image = hashlib.blake2b(self._image_keys[unit].encode(), digest_size=32).digest()
+            key = chain_key(key, ContentKey(image))
+        return record_key(key.hex, "conditioned")
 
     def image_unit(self, content_key: str) -> int:
         """The planning id of an image: one per distinct content key, never reused."""
@@ -244,6 +267,7 @@ class PromptCache:
                 self.reset()
             unit = self._image_base + len(self._image_ids)
             self._image_ids[content_key] = unit
+            self._image_keys[unit] = content_key
         return unit
 
     def reset(self) -> None:
@@ -252,6 +276,7 @@ class PromptCache:
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners.clear()
         self._image_ids.clear()
+        self._image_keys.clear()
 
     def namespace(self, tenant_salt: str) -> Namespace:
         info = self.adapter.info
@@ -277,14 +302,14 @@ class PromptCache:
         planner = self.planner(tenant_salt)
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
-        steps, lost = self._steps(prompt, plan)
+        steps, lost = self._steps(prompt, plan, planner.namespace)
         split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
         spec, kernel = self.adapter.spec, self.config.rope_kernel
         placed: list[tuple[ChunkKV, int]] = []  # reused or prefilled chunks and their starts
         chunks: list[tuple[int, int, ChunkKV]] = []
         cache: Any = None
         logits: torch.Tensor | None = None
-        counts = {"prefix": 0, "relocated": 0, "prefilled": 0, "rotated": 0}
+        counts = {"prefix": 0, "relocated": 0, "prefilled": 0, "rotated": 0, "shared": 0}
         i = 0
         while i < len(steps):
             step = steps[i]
@@ -295,6 +320,7 @@ class PromptCache:
                 chunks.append((step.start, step.end, step.kv))
                 counts["prefix" if step.prefix else "relocated"] += n_tok
                 counts["rotated"] += n_tok if step.delta else 0
+                counts["shared"] += n_tok if step.shared else 0
                 cache = None
                 i += 1
                 continue
@@ -339,10 +365,11 @@ class PromptCache:
             rotated_tokens=counts["rotated"],
             lost_entries=lost,
             vision_encoder_calls=int(getattr(self.adapter, "vision_encoder_calls", 0)) - encoder_before,
+            shared_tokens=counts["shared"],
         )
         return Prepared(cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, chunks)
 
-    def _steps(self, prompt: Prompt, plan: Plan) -> tuple[list[_Step], int]:
+    def _steps(self, prompt: Prompt, plan: Plan, ns: Namespace) -> tuple[list[_Step], int]:
         """The plan as steps with their reused KV fetched; the last unit always a miss."""
         raw = [(c.start, c.end, c.status, c.source_start, c.payload) for c in plan.chunks]
         s, e, status, src, payload = raw[-1]
@@ -350,13 +377,24 @@ class PromptCache:
             raw[-1:] = [(s, e - 1, status, src, payload)] if e - 1 > s else []
             raw.append((e - 1, e, "miss", None, None))
         segments = self._prefix_map(plan)
+        misses = {
+            (c.start, c.end): self.store_key(ns, prompt.units[c.start : c.end])
+            for c in plan.chunks
+            if c.status == "miss"
+        }
+        fetched = self._prefetch(plan, segments, misses)
         steps, lost = [], 0
-        for s, e, status, src, payload in raw:
-            kv = None
+        for i, (s, e, status, src, payload) in enumerate(raw):
+            kv, keys = None, []
             if status == "prefix-hit":
                 kv = self._prefix_kv(segments, s, e)
+                keys = _prefix_keys(segments, s, e)
             elif status == "relocated-hit" and isinstance(payload, Record) and src is not None:
                 kv = self._record_kv(payload, src, src + e - s)
+                keys = _overlap(payload, src, src + e - s)
+            elif (s, e) in misses and misses[s, e] in fetched and i < len(raw) - 1:
+                keys = [misses[s, e]]
+                kv = self._entry_kv(keys[0])
             if kv is not None and (
                 kv.n_tokens != prompt.tok_off[e] - prompt.tok_off[s]
                 or kv.extent != prompt.pos_off[e] - prompt.pos_off[s]
@@ -364,8 +402,29 @@ class PromptCache:
                 kv = None
             lost += int(status != "miss" and kv is None)
             delta = 0 if status == "prefix-hit" or src is None else s - src
-            steps.append(_Step(s, e, kv, delta, status == "prefix-hit"))
+            shared = kv is not None and not fetched.isdisjoint(keys)
+            steps.append(_Step(s, e, kv, delta, status == "prefix-hit", shared))
         return steps, lost
+
+    def _prefetch(
+        self, plan: Plan, segments: list[tuple[int, int, Record, int]], misses: dict[tuple[int, int], str]
+    ) -> frozenset[str]:
+        """One round trip to the store's shared tier for every entry the plan needs that no local
+        tier holds (its misses' too: another replica may have prefilled them); the keys found."""
+        if self.store.shared is None:
+            return frozenset()
+        keys = [*misses.values(), *_prefix_keys(segments, 0, plan.prefix_len)]
+        for c in plan.chunks:
+            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
+                keys += _overlap(c.payload, c.source_start, c.source_start + c.n_tokens)
+        return self.store.prefetch(keys)
+
+    def _entry_kv(self, key: str) -> ChunkKV | None:
+        entry = self.store.get(key)
+        if entry is None:
+            return None
+        t = entry.tensors
+        return ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
 
     @staticmethod
     def _prefix_map(plan: Plan) -> list[tuple[int, int, Record, int]]:
@@ -395,11 +454,9 @@ class PromptCache:
         for cs, ce, key in rec.chunks:
             if ce <= a or cs >= b:
                 continue
-            entry = self.store.get(key)
-            if entry is None:
+            kv = self._entry_kv(key)
+            if kv is None:
                 return None
-            t = entry.tensors
-            kv = ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
             if kv.n_tokens != rec.tok_off[ce] - rec.tok_off[cs]:
                 return None
             lo, hi = max(a, cs), min(b, ce)
@@ -425,7 +482,7 @@ class PromptCache:
         units = prepared.prompt.units
         table, written = [], 0
         for s, e, kv in prepared.chunks:
-            key = record_key(token_key(ns, units[s:e]).hex, "conditioned")
+            key = self.store_key(ns, units[s:e])
             table.append((s, e, key))
             if key in self.store:
                 continue
@@ -443,6 +500,21 @@ class PromptCache:
             self.radix.evict(excess)
         prepared.chunks = []  # the tensors now live in the store (or were refused)
         return written
+
+
+def _overlap(rec: Record, a: int, b: int) -> list[str]:
+    """Store keys of the chunks of ``rec`` that overlap units [a, b)."""
+    return [key for cs, ce, key in rec.chunks if ce > a and cs < b]
+
+
+def _prefix_keys(segments: list[tuple[int, int, Record, int]], s: int, e: int) -> list[str]:
+    """Store keys holding prefix units [s, e), through the plan's prefix segments."""
+    out = []
+    for lo, hi, rec, off in segments:
+        a, b = max(s, lo), min(e, hi)
+        if a < b:
+            out += _overlap(rec, off + a - lo, off + b - lo)
+    return out
 
 
 def elapsed_ms(t0: float) -> float:

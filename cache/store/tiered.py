@@ -1,4 +1,4 @@
-"""The tiered store: device -> host -> disk, with demotion on eviction and promotion on hit.
+"""The tiered store: device -> host -> disk (-> Redis), with demotion on eviction and promotion on hit.
 
 Memory tiers (device, host) are exclusive: a key lives in at most one of them. The disk tier is
 inclusive: a disk hit is copied up and the file stays, and with `write_through` every put also
@@ -10,8 +10,13 @@ lands on disk, which is how processes sharing the directory see each other's ent
           can take it (moved from host, copied from disk).
     pin:  a pinned key is never evicted nor demoted, in any tier, until unpinned.
 
-One re-entrant lock serialises every call, disk I/O included. This module does not hash content,
-verify token ids on a hit, prefetch, or talk to a networked tier.
+    shared: an optional Redis tier (``redis_tier``) below the local ones, for many replicas. It is
+          read only by `prefetch`, one round trip for all the keys a request needs, whose hits
+          land in the local tiers as promotions (`get` never waits on the network); every
+          accepted put is queued for it in the background.
+
+One re-entrant lock serialises every local call, disk I/O included; the network round trip of
+`prefetch` runs outside it. This module does not hash content or verify token ids on a hit.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .disk import DiskTier
 from .entry import Entry, EntryTooLargeError, TierFullError, validate_key
 from .memory import MemoryTier
 from .policies import DEFAULT_POLICY, available_policies
+from .redis_tier import RedisConfig, RedisHealth, RedisTier
 from .stats import StoreStats
 from .tier import Arrival, Tier
 
@@ -44,6 +50,7 @@ class StoreConfig:
     policy: eviction policy name for every tier, see `available_policies()`.
     write_through: also write every put to disk (needed for other processes to see it).
     durable: fsync every disk write.
+    redis: the shared tier below the local ones (see `RedisConfig`); None: no shared tier.
     """
 
     host_bytes: int
@@ -54,6 +61,7 @@ class StoreConfig:
     policy: str = DEFAULT_POLICY
     write_through: bool = False
     durable: bool = True
+    redis: RedisConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "device_bytes", "disk_bytes"):
@@ -81,10 +89,16 @@ class TieredStore:
     """
 
     def __init__(
-        self, memory: Sequence[MemoryTier], disk: DiskTier | None = None, *, write_through: bool = False
+        self,
+        memory: Sequence[MemoryTier],
+        disk: DiskTier | None = None,
+        *,
+        write_through: bool = False,
+        shared: RedisTier | None = None,
     ) -> None:
         self._memory = tuple(memory)
         self._disk = disk
+        self.shared = shared
         names = [t.name for t in self.tiers]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"a store needs at least one tier, uniquely named; got {names}")
@@ -109,7 +123,8 @@ class TieredStore:
         disk = None
         if config.disk_path is not None:
             disk = DiskTier(config.disk_path, config.disk_bytes, config.policy, durable=config.durable)
-        return cls(memory, disk, write_through=config.write_through)
+        shared = RedisTier.from_config(config.redis) if config.redis is not None else None
+        return cls(memory, disk, write_through=config.write_through, shared=shared)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -144,7 +159,39 @@ class TieredStore:
                 tier.remove(key)
             landed = self._place(0, len(self._memory), key, owned, "put") or landed
             self._puts += 1
+            if self.shared is not None:
+                self.shared.submit(key, owned)  # store tensors are read-only: the writer may encode later
             return PutResult(str(landed), nbytes)
+
+    def prefetch(self, keys: Sequence[str]) -> frozenset[str]:
+        """Bring `keys` that no local tier holds in from the shared tier, in one round trip.
+
+        Hits are placed in the fastest memory tier that admits them, as promotions (one that none
+        admits is dropped); returns the keys placed. Without one, or when it is unreachable,
+        returns an empty set: the caller prefills what is missing.
+        """
+        if self.shared is None:
+            return frozenset()
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(keys) if not any(k in t for t in self.tiers)]
+        found = self.shared.fetch_many(wanted)  # outside the lock: the network may be slow
+        placed = []
+        with self._lock:
+            for key, entry in found.items():
+                if any(key in t for t in self.tiers):  # put meanwhile: keep the local one
+                    continue
+                if self._place(0, len(self._memory), key, entry, "promotion") is not None:
+                    placed.append(key)
+        return frozenset(placed)
+
+    def shared_health(self) -> RedisHealth | None:
+        """The shared tier's state (breaker, queue, last error); None without one."""
+        return self.shared.health() if self.shared is not None else None
+
+    def close(self) -> None:
+        """Write what is queued for the shared tier and stop its writer (local tiers need nothing)."""
+        if self.shared is not None:
+            self.shared.close()
 
     def get(self, key: str) -> Entry | None:
         """The entry under `key`, promoted to the fastest tier that takes it; None on a miss.
@@ -219,6 +266,8 @@ class TieredStore:
         """A frozen snapshot of every counter."""
         with self._lock:
             tiers = tuple(t.stats() for t in self.tiers)
+            if self.shared is not None:
+                tiers = (*tiers, self.shared.stats())
             return StoreStats(tiers, self._hits, self._misses, self._puts, self._refused)
 
     def _get(self, key: str) -> Entry | None:
