@@ -96,7 +96,7 @@ class RedisHealth(NamedTuple):
     url: str
     state: State  # of the breaker: "closed" is healthy
     last_error: str | None
-    queued: int  # writes waiting
+    queued: int  # writes waiting or being written
     writes_dropped: int  # queue full, breaker open, or the write failed
     writes_refused: int  # Redis said no (out of memory) or the entry was over max_entry_bytes
 
@@ -235,7 +235,7 @@ class RedisTier:
     def _write_loop(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=5.0)
+                item = self._queue.get(timeout=min(5.0, self.config.retry_after_s))
             except queue.Empty:
                 self._poll_server()
                 continue
@@ -296,7 +296,8 @@ class RedisTier:
                     self.counters.bytes_written += len(value)
 
     def _poll_server(self) -> None:
-        """Refresh maxmemory, used memory and key count for the stats (when idle, not on requests)."""
+        """Refresh maxmemory, used memory and key count for the stats, when idle (never on a
+        request's path); also the probe that closes the breaker once Redis is back."""
         if self.config.cluster or not self.breaker.allow():
             return
         try:
@@ -333,7 +334,7 @@ class RedisTier:
             self.config.safe_url,
             self.breaker.state,
             self.breaker.last_error,
-            self._queue.qsize(),
+            self._queue.unfinished_tasks,
             dropped,
             refused,
         )
