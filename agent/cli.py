@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demos.reorder", "encode real text chunks once, reorder them by rotation alone, answer"),
     "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, video-multihop"),
     "serve": ("agent.server.cli", "OpenAI-compatible HTTP endpoint with agent sessions"),
+    "store": ("agent.store_cli", "check or repair (gc) a store directory offline"),
     "video-qa": (
         "demos.video_qa",
         "answer questions over a long video whose frames slide through the window",

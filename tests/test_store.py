@@ -28,6 +28,7 @@ from cache.store import (
     TieredStore,
     TierFullError,
     available_policies,
+    encode_entry,
     make_policy,
     record_key,
 )
@@ -404,7 +405,7 @@ def truncate(path: Path) -> None:
 def test_damaged_file_is_a_counted_miss(tmp_path: Path, damage: Callable[[Path], object]) -> None:
     store, path = _damage_store(tmp_path)
     damage(path)
-    reader = TieredStore([], DiskTier(tmp_path, 10**6))  # a fresh process trusts nothing in memory
+    reader = TieredStore([], DiskTier(tmp_path, 10**6, recover=False))  # the read path; see test_store_faults
     assert reader.get("victim") is None
     s = reader.stats()
     assert s.tier("disk").corrupt_dropped == 1
@@ -418,20 +419,19 @@ def test_damaged_file_is_a_counted_miss(tmp_path: Path, damage: Callable[[Path],
     assert_same(TieredStore([], DiskTier(tmp_path, 10**6)).get("victim"), make_entry(1))
 
 
-def test_unreadable_index_is_empty_and_orphans_are_swept(tmp_path: Path) -> None:
+def test_unreadable_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
     store = TieredStore([], DiskTier(tmp_path, 10**6, durable=False))
     store.put("a", make_entry(1))
     (tmp_path / "index.json").write_text("{not json")
-    fresh = DiskTier(tmp_path, 10**6, durable=False)
-    assert len(fresh) == 0
-    assert fresh.get("a") is None
-    assert fresh.sweep_orphans(min_age_s=3600) == 0  # too young to be sure
-    assert fresh.sweep_orphans(min_age_s=0) == 1
-    assert list((tmp_path / "entries").iterdir()) == []
+    fresh = DiskTier(tmp_path, 10**6, durable=False)  # the file certifies its own key
+    assert fresh.recovery is not None
+    assert fresh.recovery.reindexed == 1
+    assert list(fresh) == ["a"]
+    assert_same(fresh.get("a"), make_entry(1))
 
 
 def test_two_tiers_on_one_directory_share_index_and_budget(tmp_path: Path) -> None:
-    budget = 5 * (NBYTES + 400)
+    budget = 5 * len(encode_entry(make_entry(0).sealed("k0"))) + 100
     a = DiskTier(tmp_path, budget, durable=False)
     b = DiskTier(tmp_path, budget, durable=False)
     for i in range(8):
@@ -477,6 +477,7 @@ def _process_worker(root: str, worker: int, n: int, other: int, done: Queue[tupl
     )
     for i in range(n):
         store.put(f"p{worker}-{i}", make_entry(worker * 1000 + i, dtype=torch.bfloat16))
+    store.flush()  # the puts were written in the background
     seen = 0
     deadline = time.monotonic() + 60
     while seen < n and time.monotonic() < deadline:  # read the other writer's entries as they land
@@ -486,6 +487,7 @@ def _process_worker(root: str, worker: int, n: int, other: int, done: Queue[tupl
             continue
         assert_same(got, make_entry(other * 1000 + seen, dtype=torch.bfloat16))
         seen += 1
+    store.close()
     done.put((worker, seen, store.stats().tier("disk").corrupt_dropped))
 
 

@@ -128,6 +128,7 @@ def build_config(args: argparse.Namespace) -> Any:
             disk_path=args.disk_path,
             policy=args.store_policy,
             redis=redis,
+            write_through=args.disk_path is not None,  # in the background; a restart finds every chunk
         ),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,

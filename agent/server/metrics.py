@@ -27,6 +27,7 @@ STORE_COUNTERS = (
     "promotions",
     "demotions",
     "corrupt_dropped",
+    "misfiled",
 )
 
 
@@ -55,6 +56,15 @@ class RuntimeCollector(Collector):
         yield in_use
         yield budget
         yield entries
+        writes = CounterMetricFamily(
+            "kamera_store_background_writes",
+            "Disk writes handed to the background writer",
+            labels=["outcome"],
+        )
+        writes.add_metric(["queued"], stats.writes_queued)
+        writes.add_metric(["dropped"], stats.writes_dropped)
+        yield writes
+        yield GaugeMetricFamily("kamera_store_write_queue", "Disk writes waiting", value=stats.write_queue)
         yield from _shared_metrics(self.runtime)
         yield CounterMetricFamily(
             "kamera_vision_encoder_calls",
@@ -84,11 +94,13 @@ def _shared_metrics(runtime: Runtime) -> Iterator[Metric]:
     )
     up.add_metric(["redis"], 0 if health.state == "open" else 1)
     yield up
-    queued = GaugeMetricFamily("kamera_store_write_queue", "Writes waiting for the tier", labels=["tier"])
+    queued = GaugeMetricFamily(
+        "kamera_store_shared_write_queue", "Writes waiting for the shared tier", labels=["tier"]
+    )
     queued.add_metric(["redis"], health.queued)
     yield queued
     writes = CounterMetricFamily(
-        "kamera_store_writes_lost",
+        "kamera_store_shared_writes_lost",
         "Writes not stored: dropped (queue full, tier away) or refused (full, too large)",
         labels=["tier", "why"],
     )

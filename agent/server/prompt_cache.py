@@ -25,13 +25,17 @@ same KV at the same positions, so it is exact. Content keys carry the tenant's s
 
 Every prompt is committed as a :class:`Record` (its chunk table: unit span -> store key), the
 payload the radix tree and content index point at. A reused chunk whose store entry was
-evicted becomes a miss and is prefilled and stored again.
+evicted becomes a miss and is prefilled and stored again. Each entry certifies the tokens it was
+computed for (:meth:`PromptCache.fingerprint`, images by content key), and every read asks the
+store for exactly those: an entry found under the wrong key is refused and prefilled instead. A
+chunk the indexes do not know but the store holds (written before a restart, or by another
+process on a shared disk tier) is found by its key and reused like a relocated hit.
 
 Replicas: with a shared tier in the store (Redis), the keys a plan needs and no local tier holds,
 its misses' included, are asked for in one round trip before the chunks are fetched
-(``TieredStore.prefetch``). A miss found there was prefilled by another replica: it is reused
-like a relocated hit (blind, at this prompt's position) and counted in ``shared_tokens``. Its
-source position is unknown here, so it is not counted in ``rotated_tokens``.
+(``TieredStore.prefetch``). A miss found there was prefilled by another replica: the store now
+holds it, so it is reused like any chunk the store holds but the indexes do not, and counted in
+``shared_tokens``. Its source position is unknown, so it is not counted in ``rotated_tokens``.
 
 Not here: patches for relocated chunks, sampling (``generation.py``), threads (``runtime.py``).
 """
@@ -52,7 +56,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
-from cache.keys import ContentKey, Namespace, chain_key, token_key
+from cache.keys import Namespace, token_bytes, token_key
 from cache.layout import ChunkKV, place_window
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
@@ -164,11 +168,12 @@ def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
 
 @dataclass(eq=False)
 class Record:
-    """A committed prompt: its chunks (unit span, store key) and unit offsets."""
+    """A committed prompt: its chunks (unit span, store key), unit offsets and units."""
 
     chunks: tuple[tuple[int, int, str], ...]
     tok_off: np.ndarray
     pos_off: np.ndarray
+    units: np.ndarray  # what each entry must certify (see PromptCache.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -244,20 +249,7 @@ class PromptCache:
         size = int(getattr(vocab, "num_embeddings", 1 << 20))
         self._image_base = 1 << max(16, size.bit_length())
         self._image_ids: dict[str, int] = {}
-        self._image_keys: dict[int, str] = {}  # unit -> content key
-
-    def store_key(self, ns: Namespace, units: np.ndarray) -> str:
-        """Store key of the conditioned KV of the chunk ``units`` [n].
-
-        Image units are ids of this process only, so a chunk holding images is keyed by their
-        content keys too: replicas sharing a tier compute equal keys for equal content, and two
-        images that got the same id in two processes never share a key.
-        """
-        key = token_key(ns, units)
-        for unit in units[units >= self._image_base].tolist():
-            image = hashlib.blake2b(self._image_keys[unit].encode(), digest_size=32).digest()
-            key = chain_key(key, ContentKey(image))
-        return record_key(key.hex, "conditioned")
+        self._image_keys: dict[int, str] = {}
 
     def image_unit(self, content_key: str) -> int:
         """The planning id of an image: one per distinct content key, never reused."""
@@ -269,6 +261,15 @@ class PromptCache:
             self._image_ids[content_key] = unit
             self._image_keys[unit] = content_key
         return unit
+
+    def fingerprint(self, units: np.ndarray) -> str:
+        """What a stored chunk of ``units`` [n] certifies: its token ids and, for each image, its
+        content key (image ids are interned per process, so two processes sharing a disk tier, or
+        one restarted, may give one id to two different images)."""
+        h = hashlib.blake2b(token_bytes(units), digest_size=16, person=b"kamera-entry")
+        for unit in units[units >= self._image_base]:
+            h.update(self._image_keys[int(unit)].encode())
+        return h.hexdigest()
 
     def reset(self) -> None:
         """Empty the indexes (store entries stay until evicted, unreachable)."""
@@ -302,7 +303,9 @@ class PromptCache:
         planner = self.planner(tenant_salt)
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
-        steps, lost = self._steps(prompt, plan, planner.namespace)
+        fetched = self._prefetch(plan)
+        plan = self._from_store(plan, prompt)
+        steps, lost = self._steps(prompt, plan, fetched)
         split = plan.chunks[-1].status != "miss" and plan.chunks[-1].n_tokens > 1
         spec, kernel = self.adapter.spec, self.config.rope_kernel
         placed: list[tuple[ChunkKV, int]] = []  # reused or prefilled chunks and their starts
@@ -369,7 +372,7 @@ class PromptCache:
         )
         return Prepared(cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, chunks)
 
-    def _steps(self, prompt: Prompt, plan: Plan, ns: Namespace) -> tuple[list[_Step], int]:
+    def _steps(self, prompt: Prompt, plan: Plan, fetched: frozenset[str]) -> tuple[list[_Step], int]:
         """The plan as steps with their reused KV fetched; the last unit always a miss."""
         raw = [(c.start, c.end, c.status, c.source_start, c.payload) for c in plan.chunks]
         s, e, status, src, payload = raw[-1]
@@ -377,14 +380,8 @@ class PromptCache:
             raw[-1:] = [(s, e - 1, status, src, payload)] if e - 1 > s else []
             raw.append((e - 1, e, "miss", None, None))
         segments = self._prefix_map(plan)
-        misses = {
-            (c.start, c.end): self.store_key(ns, prompt.units[c.start : c.end])
-            for c in plan.chunks
-            if c.status == "miss"
-        }
-        fetched = self._prefetch(plan, segments, misses)
         steps, lost = [], 0
-        for i, (s, e, status, src, payload) in enumerate(raw):
+        for s, e, status, src, payload in raw:
             kv, keys = None, []
             if status == "prefix-hit":
                 kv = self._prefix_kv(segments, s, e)
@@ -392,9 +389,6 @@ class PromptCache:
             elif status == "relocated-hit" and isinstance(payload, Record) and src is not None:
                 kv = self._record_kv(payload, src, src + e - s)
                 keys = _overlap(payload, src, src + e - s)
-            elif (s, e) in misses and misses[s, e] in fetched and i < len(raw) - 1:
-                keys = [misses[s, e]]
-                kv = self._entry_kv(keys[0])
             if kv is not None and (
                 kv.n_tokens != prompt.tok_off[e] - prompt.tok_off[s]
                 or kv.extent != prompt.pos_off[e] - prompt.pos_off[s]
@@ -406,25 +400,37 @@ class PromptCache:
             steps.append(_Step(s, e, kv, delta, status == "prefix-hit", shared))
         return steps, lost
 
-    def _prefetch(
-        self, plan: Plan, segments: list[tuple[int, int, Record, int]], misses: dict[tuple[int, int], str]
-    ) -> frozenset[str]:
+    def _from_store(self, plan: Plan, prompt: Prompt) -> Plan:
+        """``plan`` with each miss the store holds (by its key) turned into a relocated hit on a
+        record of this prompt: chunks written before a restart or by another process."""
+        found = [
+            (c.start, c.end, record_key(c.key.hex, "conditioned"))
+            for c in plan.chunks
+            if c.status == "miss" and record_key(c.key.hex, "conditioned") in self.store
+        ]
+        if not found:
+            return plan
+        rec = Record(tuple(found), prompt.tok_off, prompt.pos_off, prompt.units)
+        spans = {(s, e) for s, e, _ in found}
+        chunks = tuple(
+            c._replace(status="relocated-hit", source_start=c.start, payload=rec)
+            if c.status == "miss" and (c.start, c.end) in spans
+            else c
+            for c in plan.chunks
+        )
+        return plan._replace(chunks=chunks)
+
+    def _prefetch(self, plan: Plan) -> frozenset[str]:
         """One round trip to the store's shared tier for every entry the plan needs that no local
         tier holds (its misses' too: another replica may have prefilled them); the keys found."""
         if self.store.shared is None:
             return frozenset()
-        keys = [*misses.values(), *_prefix_keys(segments, 0, plan.prefix_len)]
+        misses = [record_key(c.key.hex, "conditioned") for c in plan.chunks if c.status == "miss"]
+        keys = [*misses, *_prefix_keys(self._prefix_map(plan), 0, plan.prefix_len)]
         for c in plan.chunks:
             if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
                 keys += _overlap(c.payload, c.source_start, c.source_start + c.n_tokens)
         return self.store.prefetch(keys)
-
-    def _entry_kv(self, key: str) -> ChunkKV | None:
-        entry = self.store.get(key)
-        if entry is None:
-            return None
-        t = entry.tensors
-        return ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
 
     @staticmethod
     def _prefix_map(plan: Plan) -> list[tuple[int, int, Record, int]]:
@@ -454,9 +460,11 @@ class PromptCache:
         for cs, ce, key in rec.chunks:
             if ce <= a or cs >= b:
                 continue
-            kv = self._entry_kv(key)
-            if kv is None:
+            entry = self.store.get(key, self.fingerprint(rec.units[cs:ce]))
+            if entry is None:
                 return None
+            t = entry.tensors
+            kv = ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
             if kv.n_tokens != rec.tok_off[ce] - rec.tok_off[cs]:
                 return None
             lo, hi = max(a, cs), min(b, ce)
@@ -482,18 +490,19 @@ class PromptCache:
         units = prepared.prompt.units
         table, written = [], 0
         for s, e, kv in prepared.chunks:
-            key = self.store_key(ns, units[s:e])
+            key = record_key(token_key(ns, units[s:e]).hex, "conditioned")
             table.append((s, e, key))
             if key in self.store:
                 continue
             entry = Entry(
                 {"k": kv.k, "v": kv.v, "positions": kv.positions},
                 {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family},
+                tokens=self.fingerprint(units[s:e]),
             )
             with contextlib.suppress(EntryTooLargeError, TierFullError):
                 self.store.put(key, entry)
                 written += 1
-        record = Record(tuple(table), prepared.prompt.tok_off, prepared.prompt.pos_off)
+        record = Record(tuple(table), prepared.prompt.tok_off, prepared.prompt.pos_off, units)
         prepared.planner.commit(prepared.plan, units, record)
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:

@@ -184,7 +184,8 @@ class Runtime:
         return True, "ok"
 
     def drain(self, timeout_s: float) -> bool:
-        """Refuse new work, wait up to ``timeout_s`` for admitted jobs; whether they all finished."""
+        """Refuse new work, wait up to ``timeout_s`` for admitted jobs, then flush the store to its
+        disk tier (so a restart finds what memory held); whether the jobs all finished."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
         while self.worker.pending and time.monotonic() < deadline:

@@ -1,49 +1,65 @@
-"""The disk tier: one safetensors file per entry plus a JSON index, shareable between processes.
+"""The disk tier: one self-certifying file per entry plus a JSON index, shareable between processes.
 
 Layout under `root`: `entries/<random>.safetensors` (immutable once renamed into place; a new
-write of a key gets a new file), `index.json` (key -> file, size, checksum) and `index.lock`.
-Every change to the index happens under an exclusive `flock` on `index.lock` and starts by
-re-reading the index, so processes writing different entries lose nothing; the index and entry
-files are replaced atomically, so readers never see half of one. A file whose size or checksum
-disagrees with the index, or that has vanished while the index still names it, is dropped from
-the index, counted in `corrupt_dropped` and reported as a miss: the caller recomputes.
+write of a key gets a new file), `index.json` (key -> file, size) and `index.lock`. Every change
+to the index happens under an exclusive `flock` on `index.lock` and starts by re-reading the
+index, so processes writing different entries lose nothing; files and the index are replaced
+atomically, so readers never see half of one.
 
-The budget is shared by every process using the directory. Each process orders eviction by the
-reads it has seen itself (a fresh process starts from the write times); pinned keys of this
-process are never evicted by it. This module does not talk to a network tier, compact files, or
-verify that two writers of one key wrote the same bytes (the last writer wins).
+A read trusts a file for what its own bytes certify (`codec`): one that is damaged, truncated or
+gone is dropped and counted in `corrupt_dropped`; one that is intact but certifies another key
+(a swapped or copied record) is dropped and counted in `misfiled`; both are misses, and the caller
+recomputes. Opening a directory recovers it (`recovery.scan`): files the index does not name are
+re-indexed from their certificates or removed, and the budget is enforced, so crashes and lost
+indexes leak no disk.
+
+Shared use: the budget and the hits are shared by every process on the directory, and so is the
+eviction order: a hit touches its file's mtime, and eviction (under the lock) feeds the tier's
+policy the index's keys oldest use first, so no process evicts what another has just used. Pinned
+keys of this process are never evicted by it. This module does not talk to a network tier or
+compact files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
+from .codec import CorruptEntryError, decode_entry, encode_entry
 from .diskio import (
-    CorruptEntryError,
+    ENTRY_SUFFIX,
     DiskRecord,
     IndexStamp,
     atomic_write,
-    checksum,
-    decode_entry,
-    encode_entry,
     index_stamp,
     locked,
     read_index,
     write_index,
 )
-from .entry import Entry, EntryTooLargeError, TierFullError
+from .entry import Entry, EntryTooLargeError, MisfiledEntryError, TierFullError
 from .policies import DEFAULT_POLICY, make_policy
+from .recovery import Report, eviction_order, scan
 from .tier import Arrival, Tier
+
+
+class Staged(NamedTuple):
+    """An entry file written but not yet in the index (see `DiskTier.stage`)."""
+
+    key: str
+    record: DiskRecord
 
 
 class DiskTier(Tier):
     """Entries as files under `root`, within `budget_bytes` of file bytes.
 
     durable: fsync files and the folder on every write (off only for throwaway stores).
-    Raises OSError if `root` cannot be created.
+    recover: scan the directory on opening (see `recovery.scan`); `self.recovery` is its report.
+    Raises OSError if `root` cannot be created, ValueError for an unknown policy.
     """
 
     def __init__(
@@ -54,24 +70,31 @@ class DiskTier(Tier):
         *,
         name: str = "disk",
         durable: bool = True,
+        recover: bool = True,
     ) -> None:
         super().__init__(name, budget_bytes)
+        make_policy(policy)  # refuse an unknown name now, not at the first eviction
         self.root = Path(root)
         self._files = self.root / "entries"
         self._files.mkdir(parents=True, exist_ok=True)
         self._index_path = self.root / "index.json"
         self._lock_path = self.root / "index.lock"
-        self._policy = make_policy(policy)
+        self._policy_name = policy
         self._durable = durable
         self._index: dict[str, DiskRecord] = {}
         self._stamp: IndexStamp | None = None
-        self._refresh()
+        self.recovery: Report | None = None
+        if recover:
+            self.recovery = scan(self.root, budget=budget_bytes, repair=True, policy=policy, durable=durable)
+        self._refresh(force=True)
 
     @property
     def bytes_in_use(self) -> int:
         return sum(rec.size for rec in self._index.values())
 
     def __contains__(self, key: object) -> bool:
+        if key not in self._index:
+            self._refresh()  # another process may have written it
         return key in self._index
 
     def __len__(self) -> int:
@@ -83,49 +106,73 @@ class DiskTier(Tier):
 
     def get(self, key: str) -> Entry | None:
         if key not in self._index:
-            self._refresh()  # another process may have written it
+            self._refresh()
         record = self._index.get(key)
         if record is None:
             self.counters.misses += 1
             return None
+        path = self._files / record.file
         try:
-            entry = decode_entry((self._files / record.file).read_bytes(), record)
+            data = path.read_bytes()
+            if len(data) != record.size:
+                raise CorruptEntryError(f"{record.file}: {len(data)} bytes, index says {record.size}")
+            entry = decode_entry(data, key)
+        except MisfiledEntryError:
+            if self._drop_if_current(key, record):
+                self.counters.misfiled += 1
+            self.counters.misses += 1
+            return None
         except (FileNotFoundError, CorruptEntryError):
             if self._drop_if_current(key, record):
                 self.counters.corrupt_dropped += 1
             self.counters.misses += 1
             return None
-        self._policy.touch(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)  # the shared recency eviction orders by
         self.counters.hits += 1
         self.counters.bytes_read += record.size
         return entry
 
     def insert(self, key: str, entry: Entry, arrived: Arrival) -> list[tuple[str, Entry]]:
-        data = encode_entry(entry)
+        self.commit(self.stage(key, entry), arrived)
+        return []
+
+    def stage(self, key: str, entry: Entry) -> Staged:
+        """Write `entry`'s file without touching the index or this tier's state (any thread).
+
+        Follow with `commit` or `discard`. Raises EntryTooLargeError if it exceeds the budget,
+        ValueError if the entry is sealed with another key.
+        """
+        data = encode_entry(entry.sealed(key))
         if not self.fits(len(data)):
             raise EntryTooLargeError(key, len(data), {self.name: self.budget_bytes})
-        name = f"{uuid.uuid4().hex}.safetensors"
-        record = DiskRecord(name, len(data), entry.nbytes, checksum(data), time.time())
+        record = DiskRecord(f"{uuid.uuid4().hex}{ENTRY_SUFFIX}", len(data), entry.nbytes, time.time())
         atomic_write(self._files / record.file, data, durable=self._durable)
+        return Staged(key, record)
+
+    def commit(self, staged: Staged, arrived: Arrival) -> None:
+        """Publish a staged file under its key, evicting to make room; TierFullError if pins forbid."""
+        key, record = staged
         doomed: list[str] = []
         try:
             with locked(self._lock_path):
                 self._refresh(force=True)
                 self._make_room(key, record.size, doomed)
                 previous = self._index.pop(key, None)
-                if previous is not None:
+                if previous is not None and previous.file != record.file:  # recovery may have indexed ours
                     doomed.append(previous.file)
                 self._index[key] = record
-                self._policy.forget(key)
-                self._policy.admit(key, record.size)
                 self._publish()
         except BaseException:
-            (self._files / record.file).unlink(missing_ok=True)
+            self.discard(staged)
             raise
         for name in doomed:  # after publishing: a reader of the old index gets a miss, not a half file
             (self._files / name).unlink(missing_ok=True)
         self._count_arrival(arrived, record.size)
-        return []
+
+    def discard(self, staged: Staged) -> None:
+        """Delete a staged file that will not be committed."""
+        (self._files / staged.record.file).unlink(missing_ok=True)
 
     def remove(self, key: str) -> bool:
         with locked(self._lock_path):
@@ -133,27 +180,9 @@ class DiskTier(Tier):
             record = self._index.pop(key, None)
             if record is None:
                 return False
-            self._policy.forget(key)
             self._publish()
         (self._files / record.file).unlink(missing_ok=True)
         return True
-
-    def sweep_orphans(self, min_age_s: float = 3600.0) -> int:
-        """Delete files no index record names, older than `min_age_s`; returns how many.
-
-        Orphans come from a writer that died between writing its file and publishing it. The age
-        threshold spares files that a live writer has not published yet.
-        """
-        cutoff = time.time() - min_age_s
-        removed = 0
-        with locked(self._lock_path):
-            self._refresh(force=True)
-            named = {rec.file for rec in self._index.values()}
-            for path in self._files.iterdir():
-                if path.name not in named and path.stat().st_mtime < cutoff:
-                    path.unlink(missing_ok=True)
-                    removed += 1
-        return removed
 
     def _make_room(self, key: str, size: int, doomed: list[str]) -> None:
         """Evict (under the lock) until `size` more bytes fit; TierFullError if pins forbid it."""
@@ -162,14 +191,17 @@ class DiskTier(Tier):
         if pinned_bytes + size > self.budget_bytes:
             raise TierFullError(f"tier {self.name!r}: pinned files leave no room for {size} bytes")
         held = sum(r.size for r in others.values())
-        self._policy.forget(key)
+        if held + size <= self.budget_bytes:
+            return
+        policy = make_policy(self._policy_name)
+        for k in eviction_order(self._files, others):
+            policy.admit(k, others[k].size)
         while held + size > self.budget_bytes:
-            victim = self._policy.victim(keep=self.pinned)
-            if victim is None or victim not in others:
-                raise RuntimeError(f"tier {self.name!r}: eviction policy out of step with the index")
+            victim = policy.victim(keep=self.pinned)
+            if victim is None:  # unreachable after the pinned-bytes check
+                raise TierFullError(f"tier {self.name!r}: policy found no victim")
             record = self._index.pop(victim)
-            del others[victim]
-            self._policy.forget(victim)
+            policy.forget(victim)
             held -= record.size
             doomed.append(record.file)
             self.counters.evictions += 1
@@ -181,7 +213,6 @@ class DiskTier(Tier):
             if self._index.get(key) != record:
                 return False  # evicted or rewritten by another process meanwhile: a plain miss
             del self._index[key]
-            self._policy.forget(key)
             self._publish()
         (self._files / record.file).unlink(missing_ok=True)
         return True
@@ -191,12 +222,7 @@ class DiskTier(Tier):
         stamp = index_stamp(self._index_path)
         if not force and stamp == self._stamp:
             return
-        fresh = read_index(self._index_path)
-        for key in self._index.keys() - fresh.keys():
-            self._policy.forget(key)
-        for key in sorted(fresh.keys() - self._index.keys(), key=lambda k: fresh[k].written):
-            self._policy.admit(key, fresh[key].size)
-        self._index = fresh
+        self._index = read_index(self._index_path)
         self._stamp = stamp
 
     def _publish(self) -> None:

@@ -1,12 +1,12 @@
-"""Bytes on disk for the disk tier: entry files, checksums, the JSON index and its lock.
+"""Bytes on disk for the disk tier: atomic file writes, the JSON index and its lock.
 
-An entry file is a plain safetensors file; the entry's meta rides in the safetensors header
-metadata under "kamera.meta". Files are written to a temporary name, fsynced and renamed into
-place, so a reader sees a whole file or none. Nothing here unpickles: safetensors only.
-
-The index is {"format": 1, "checksum": "blake3", "entries": {key: record}}; it is rewritten whole
-(atomically) under an exclusive advisory lock on a separate lock file, because `os.replace` gives
-the index a new inode and a lock on the index itself would be lost with the old one.
+Entry files hold the self-certifying bytes of `codec`; they are written to a temporary name,
+fsynced and renamed into place, so a reader sees a whole file or none. The index is
+{"format": 2, "entries": {key: record}}; it is rewritten whole (atomically) under an exclusive
+advisory lock on a separate lock file, because `os.replace` gives the index a new inode and a
+lock on the index itself would be lost with the old one. The index only says where an entry's
+file is and how big it is: a file is trusted for what its own bytes certify, never for where the
+index filed it.
 """
 
 from __future__ import annotations
@@ -15,68 +15,39 @@ import contextlib
 import fcntl
 import json
 import os
-import struct
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import blake3
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
-from .entry import Entry
-
-INDEX_FORMAT = 1
-CHECKSUM = "blake3"
-_META_FIELD = "kamera.meta"
-
-
-class CorruptEntryError(ValueError):
-    """An entry file does not match its index record or does not parse."""
+INDEX_FORMAT = 2
+ENTRY_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
 
 
 @dataclass(frozen=True)
 class DiskRecord:
-    """What the index knows of one entry file."""
+    """What the index knows of one entry file. ValueError on a malformed record."""
 
     file: str  # name inside the entries folder
     size: int  # file bytes (what the disk budget counts)
     nbytes: int  # tensor bytes
-    checksum: str  # blake3 hex digest of the whole file
-    written: float  # time.time() when written; orders a fresh process's policy
+    written: float  # time.time() when written
 
-
-def checksum(data: bytes) -> str:
-    """Hex blake3 digest of `data`."""
-    return blake3.blake3(data).hexdigest()
-
-
-def encode_entry(entry: Entry) -> bytes:
-    """The safetensors bytes of `entry`, meta included."""
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in entry.tensors.items()}
-    return st_save(tensors, metadata={_META_FIELD: entry.meta_json()})
-
-
-def decode_entry(data: bytes, record: DiskRecord) -> Entry:
-    """Parse file bytes after checking them against `record`; CorruptEntryError on any mismatch."""
-    if len(data) != record.size:
-        raise CorruptEntryError(f"{record.file}: {len(data)} bytes, index says {record.size}")
-    if checksum(data) != record.checksum:
-        raise CorruptEntryError(f"{record.file}: checksum mismatch")
-    try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + header_len])
-        meta = json.loads(header.get("__metadata__", {}).get(_META_FIELD, "{}"))
-        return Entry(st_load(data), meta)
-    except (SafetensorError, ValueError, KeyError, AttributeError, struct.error) as err:
-        raise CorruptEntryError(f"{record.file}: {err}") from err
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or "/" in self.file or not self.file.endswith(ENTRY_SUFFIX):
+            raise ValueError(f"bad entry file name {self.file!r}")
+        if not all(isinstance(n, int) and n >= 0 for n in (self.size, self.nbytes)):
+            raise ValueError(f"bad sizes in the record of {self.file!r}")
 
 
 def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write `data` to `path` through a temporary file and `os.replace`; fsync when `durable`."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    """Write `data` to `path` through a temporary file and `os.replace`; fsync when `durable`.
+
+    The temporary file, `.<name>.<pid>.<random>.tmp`, names its writer, so recovery can tell a
+    dead writer's leftovers from a live one's work (`writer_alive`).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -93,6 +64,23 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def writer_alive(temp_name: str) -> bool:
+    """Whether the process that named temporary file `temp_name` may still be writing it."""
+    try:
+        pid = int(temp_name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 @contextlib.contextmanager
@@ -119,27 +107,31 @@ def index_stamp(index_path: Path) -> IndexStamp | None:
 
 
 def read_index(index_path: Path) -> dict[str, DiskRecord]:
-    """The records of the index file; {} if it is absent or unreadable.
+    """The records of the index file; {} if it is absent or unreadable (see `load_index`)."""
+    return load_index(index_path)[0]
 
-    An unreadable index (edited by hand, foreign format) is treated as empty: its files become
-    orphans for `DiskTier.sweep_orphans`, and nothing unverified is ever loaded.
+
+def load_index(index_path: Path) -> tuple[dict[str, DiskRecord], str | None]:
+    """The records of the index file and, if it was there but unreadable, why.
+
+    An unreadable index (edited by hand, an older format) is treated as empty: its files become
+    orphans, which recovery re-indexes from what they certify or removes.
     """
     try:
         raw = json.loads(index_path.read_bytes())
-        if raw.get("format") != INDEX_FORMAT or raw.get("checksum") != CHECKSUM:
-            return {}
-        return {key: DiskRecord(**rec) for key, rec in raw["entries"].items()}
+        if raw.get("format") != INDEX_FORMAT:
+            return {}, f"index format {raw.get('format')!r}, not {INDEX_FORMAT}"
+        return {str(key): DiskRecord(**rec) for key, rec in raw["entries"].items()}, None
     except FileNotFoundError:
-        return {}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return {}
+        return {}, None
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        return {}, f"unreadable index: {type(err).__name__}: {err}"
 
 
 def write_index(index_path: Path, records: dict[str, DiskRecord], *, durable: bool = True) -> None:
     """Replace the index file atomically with `records`."""
     body = {
         "format": INDEX_FORMAT,
-        "checksum": CHECKSUM,
         "entries": {key: asdict(rec) for key, rec in records.items()},
     }
     atomic_write(index_path, json.dumps(body, sort_keys=True).encode(), durable=durable)

@@ -5,8 +5,14 @@ An entry is addressed by a string key made elsewhere (a hex content hash). Sub-r
 key, see `record_key`, so every tier handles one kind of thing and evicts each record on its own
 merits.
 
-This module does not hash content, verify token ids on a hit (the caller compares the ids it kept
-in `meta`), or move tensors between tiers.
+An entry certifies itself: `key` is the store key it was filed under (the store stamps it on
+put) and `tokens` a fingerprint of the token ids its tensors were computed for (the caller's,
+opaque here). `certify` checks both against a lookup; every tier's hits go through it, and the
+byte codec (`codec`) carries both inside the entry's own bytes, so an entry found under the wrong
+key, by a bug, a swapped index record or a shared tier, is refused instead of served.
+
+This module does not hash content (the caller makes keys and fingerprints) or move tensors
+between tiers.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ class Entry:
 
     tensors: e.g. {"k": [L, H_kv, T, D_k], "v": [L, H_kv, T, D_v], "positions": [T] int64}; any
         dtype safetensors can write (float32, bfloat16, float16, int64, int8, ...).
-    meta: small JSON-able values (token ids or a fingerprint, n_tokens, extent, family, ...).
+    meta: small JSON-able values (n_tokens, extent, family, ...).
+    key: the store key it is filed under; None until a store stamps it (`sealed`).
+    tokens: fingerprint of the token ids the tensors belong to (hex), None when the caller gave none.
 
     Raises ValueError on construction when a name is empty or reserved, a value is not a tensor,
     or `meta` does not survive a JSON round trip unchanged.
@@ -38,6 +46,8 @@ class Entry:
 
     tensors: Mapping[str, Tensor]
     meta: Mapping[str, Any] = field(default_factory=dict)
+    key: str | None = None
+    tokens: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in self.tensors.items():
@@ -65,11 +75,29 @@ class Entry:
             name: t.detach().to(device, copy=copy, memory_format=torch.contiguous_format).contiguous()
             for name, t in self.tensors.items()
         }
-        return Entry(moved, self.meta)
+        return Entry(moved, self.meta, self.key, self.tokens)
+
+    def sealed(self, key: str) -> Entry:
+        """This entry filed under `key`; ValueError if it already names another key."""
+        if self.key is not None and self.key != key:
+            raise ValueError(f"entry of key {self.key!r} cannot be filed under {key!r}")
+        return self if self.key == key else Entry(self.tensors, self.meta, key, self.tokens)
 
     def meta_json(self) -> str:
         """`meta` as canonical JSON (sorted keys)."""
         return json.dumps(dict(self.meta), sort_keys=True)
+
+
+def certify(entry: Entry, key: str, tokens: str | None = None) -> Entry:
+    """`entry` if it names `key` (and `tokens`, when given); MisfiledEntryError otherwise.
+
+    A caller that gives `tokens` refuses an entry that certifies none.
+    """
+    if entry.key != key:
+        raise MisfiledEntryError(f"looked up as {key!r}, the entry is {entry.key!r}")
+    if tokens is not None and entry.tokens != tokens:
+        raise MisfiledEntryError(f"{key!r}: the entry holds tokens {entry.tokens}, the lookup wants {tokens}")
+    return entry
 
 
 def validate_key(key: str) -> str:
@@ -102,6 +130,10 @@ class EntryTooLargeError(ValueError):
         super().__init__(f"entry {key!r} needs {nbytes} bytes, more than any tier's budget ({shown})")
         self.key = key
         self.nbytes = nbytes
+
+
+class MisfiledEntryError(ValueError):
+    """An entry found under one key certifies another key or other tokens: it must not be served."""
 
 
 class TierFullError(RuntimeError):

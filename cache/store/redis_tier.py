@@ -8,11 +8,11 @@ replica's prefill is another's hit with no shared index. The tier sits below the
     submit      queue an entry for a background thread that writes it with SET .. EX ttl in
                 pipelines; a full queue drops the write (a lost hit later, never a wait now).
 
-A value is ``MAGIC | u32 header length | header JSON {key, size, checksum} | entry bytes``, the
-entry bytes being the disk tier's own encoding (``diskio.encode_entry``: safetensors, meta in
-its header, never pickle) checked by the disk tier's own ``decode_entry``. A value whose header
-names another key, whose size or checksum disagree, or that does not parse is refused, counted
-in ``corrupt_dropped``, deleted from Redis in the background, and reported as a miss.
+A value is the entry's self-certifying bytes, the same the disk tier writes (``codec``:
+safetensors, never pickle, with the key, the token fingerprint and a digest inside), checked by
+the same ``decode_entry``. A value that is damaged or half-written (``corrupt_dropped``) or that
+certifies another key (``misfiled``) is refused, deleted from Redis in the background, and
+reported as a miss; the token fingerprint is checked when the store is read (``tiered``).
 
 Faults cost hits, never requests: every Redis error is caught and counted; a circuit breaker
 stops asking after a few failures in a row and lets one call through after ``retry_after_s``.
@@ -26,9 +26,7 @@ tiers (``tiered``), tenant separation (the tenant's salt is inside every content
 
 from __future__ import annotations
 
-import json
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -36,12 +34,10 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 from .breaker import CircuitBreaker, State
-from .diskio import CorruptEntryError, DiskRecord, checksum, decode_entry, encode_entry
-from .entry import Entry
+from .codec import CorruptEntryError, decode_entry, encode_entry
+from .entry import Entry, MisfiledEntryError
 from .stats import TierCounters, TierStats
 
-MAGIC = b"KMRA\x01"
-_HEADER_LEN = struct.Struct("<I")
 _STOP = object()
 
 
@@ -99,30 +95,6 @@ class RedisHealth(NamedTuple):
     queued: int  # writes waiting or being written
     writes_dropped: int  # queue full, breaker open, or the write failed
     writes_refused: int  # Redis said no (out of memory) or the entry was over max_entry_bytes
-
-
-def encode_value(key: str, entry: Entry) -> bytes:
-    """The Redis value of `entry` under `key`: framed header, then the disk encoding."""
-    data = encode_entry(entry)
-    header = json.dumps({"key": key, "size": len(data), "checksum": checksum(data)}, sort_keys=True).encode()
-    return MAGIC + _HEADER_LEN.pack(len(header)) + header + data
-
-
-def decode_value(key: str, value: bytes) -> Entry:
-    """The entry in `value`, checked to be `key`'s and whole; CorruptEntryError otherwise."""
-    if not value.startswith(MAGIC):
-        raise CorruptEntryError(f"{key}: not a kamera entry")
-    at = len(MAGIC)
-    try:
-        (n,) = _HEADER_LEN.unpack_from(value, at)
-        header = json.loads(value[at + _HEADER_LEN.size : at + _HEADER_LEN.size + n])
-        record = DiskRecord(key, int(header["size"]), 0, str(header["checksum"]), 0.0)
-        named = header["key"]
-    except (struct.error, ValueError, KeyError, TypeError) as err:
-        raise CorruptEntryError(f"{key}: bad header: {err}") from err
-    if named != key:
-        raise CorruptEntryError(f"{key}: the value is the entry of {named!r}")
-    return decode_entry(value[at + _HEADER_LEN.size + n :], record)
 
 
 def connect(config: RedisConfig) -> Any:
@@ -191,9 +163,10 @@ class RedisTier:
                 self._count(misses=1)
                 continue
             try:
-                found[key] = decode_value(key, value)
-            except CorruptEntryError:
-                self._count(misses=1, corrupt_dropped=1)
+                found[key] = decode_entry(value, key)
+            except (CorruptEntryError, MisfiledEntryError) as err:
+                bad = isinstance(err, CorruptEntryError)
+                self._count(misses=1, corrupt_dropped=int(bad), misfiled=int(not bad))
                 self._enqueue((key, None))  # delete it, so no replica trips on it again
                 continue
             self._count(hits=1, bytes_read=len(value))
@@ -258,8 +231,14 @@ class RedisTier:
         """One pipeline of SETs (and DELs of corrupt entries); every error is counted, none raised."""
         ops: list[tuple[str, bytes | None]] = []
         for key, entry in batch:
-            value = None if entry is None else encode_value(key, entry)
-            if value is not None and len(value) > self.config.max_entry_bytes:
+            if entry is None:
+                ops.append((key, None))
+                continue
+            try:
+                value = encode_entry(entry.sealed(key))
+            except ValueError:  # sealed with another key: never filed under this one
+                value = None
+            if value is None or len(value) > self.config.max_entry_bytes:
                 with self._lock:
                     self.writes_refused += 1
                 continue
@@ -312,13 +291,16 @@ class RedisTier:
 
     # --- counters --------------------------------------------------------------------------------
 
-    def _count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0, corrupt_dropped: int = 0) -> None:
+    def _count(
+        self, hits: int = 0, misses: int = 0, bytes_read: int = 0, corrupt_dropped: int = 0, misfiled: int = 0
+    ) -> None:
         with self._lock:
             c = self.counters
             c.hits += hits
             c.misses += misses
             c.bytes_read += bytes_read
             c.corrupt_dropped += corrupt_dropped
+            c.misfiled += misfiled
 
     def stats(self) -> TierStats:
         """Counters of this replica; budget, bytes in use and entries are the server's whole

@@ -13,6 +13,11 @@ Counter meanings, per tier:
     promotions        entries that arrived here from a slower tier on a hit
     demotions         entries that arrived here from a faster tier's eviction
     corrupt_dropped   entries found corrupt, truncated or missing, dropped and reported as misses
+    misfiled          entries intact but certifying another key or other tokens than the lookup's
+                      (a swapped record, a copy under the wrong key): dropped, reported as misses
+
+Store-wide: writes_queued / writes_dropped count background disk writes accepted / refused
+because the queue was full; write_queue is how many wait now.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     corrupt_dropped: int = 0
+    misfiled: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class TierStats:
     promotions: int
     demotions: int
     corrupt_dropped: int
+    misfiled: int
 
     @classmethod
     def of(cls, tier: str, budget_bytes: int, bytes_in_use: int, entries: int, c: TierCounters) -> TierStats:
@@ -73,6 +80,9 @@ class StoreStats:
     misses: int
     puts: int
     refused: int
+    writes_queued: int = 0
+    writes_dropped: int = 0
+    write_queue: int = 0
 
     def tier(self, name: str) -> TierStats:
         """The stats of the tier called `name`; KeyError if the store has no such tier."""
@@ -83,7 +93,7 @@ class StoreStats:
 
     def rows(self) -> Iterator[tuple[str, str, int]]:
         """(tier, counter, value) for every numeric counter; tier "store" holds the totals."""
-        for name in ("hits", "misses", "puts", "refused"):
+        for name in ("hits", "misses", "puts", "refused", "writes_queued", "writes_dropped", "write_queue"):
             yield "store", name, getattr(self, name)
         for t in self.tiers:
             for f in fields(t):

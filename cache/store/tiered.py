@@ -2,26 +2,36 @@
 
 Memory tiers (device, host) are exclusive: a key lives in at most one of them. The disk tier is
 inclusive: a disk hit is copied up and the file stays, and with `write_through` every put also
-lands on disk, which is how processes sharing the directory see each other's entries.
+lands on disk, which is how processes sharing the directory see each other's entries and how a
+restarted process finds them. With a `write_queue`, those disk writes (and demotions to disk) go
+through a bounded queue to one background thread, never on the caller's path; a full queue
+drops the write (counted), and `flush`/`close` drain it and write what memory still holds.
 
     put:  the entry goes to the fastest tier whose budget can hold it; what that tier evicts is
           demoted to the next tier, and so on; disk evictions are final.
     get:  tiers are asked fastest first; a hit below the top is promoted to the fastest tier that
           can take it (moved from host, copied from disk).
     pin:  a pinned key is never evicted nor demoted, in any tier, until unpinned.
+    shared: an optional Redis tier (``redis_tier``) below the local ones, for many replicas. It
+          is read only by `prefetch`, one round trip for all the keys a request needs, whose hits
+          land in the memory tiers as promotions (`get` never waits on the network) and are
+          certified like any hit when read; every accepted put is queued for it in the
+          background.
 
-    shared: an optional Redis tier (``redis_tier``) below the local ones, for many replicas. It is
-          read only by `prefetch`, one round trip for all the keys a request needs, whose hits
-          land in the local tiers as promotions (`get` never waits on the network); every
-          accepted put is queued for it in the background.
+Every entry is sealed with its key on put, and every hit, from any tier, is certified against the
+key it was looked up by and the caller's token fingerprint (`entry.certify`): an entry that names
+another key or other tokens is dropped from its tier, counted in `misfiled`, and the lookup goes
+on to the next tier as if it had missed.
 
-One re-entrant lock serialises every local call, disk I/O included; the network round trip of
-`prefetch` runs outside it. This module does not hash content or verify token ids on a hit.
+One re-entrant lock serialises every call and the index updates of background writes; the file
+writes and the network round trip of `prefetch` happen outside it. This module does not hash
+content.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from .disk import DiskTier
-from .entry import Entry, EntryTooLargeError, TierFullError, validate_key
+from .entry import Entry, EntryTooLargeError, MisfiledEntryError, TierFullError, certify, validate_key
 from .memory import MemoryTier
 from .policies import DEFAULT_POLICY, available_policies
 from .redis_tier import RedisConfig, RedisHealth, RedisTier
@@ -48,7 +58,8 @@ class StoreConfig:
         use are host memory, already counted by `host_bytes`.
     disk_path: folder of the disk tier (shared by every process pointing at it); None: no disk tier.
     policy: eviction policy name for every tier, see `available_policies()`.
-    write_through: also write every put to disk (needed for other processes to see it).
+    write_through: also write every put to disk (needed for other processes, or a restart, to see it).
+    write_queue: disk writes waiting for the background writer, at most; 0 writes in the caller.
     durable: fsync every disk write.
     redis: the shared tier below the local ones (see `RedisConfig`); None: no shared tier.
     """
@@ -60,11 +71,12 @@ class StoreConfig:
     device: str | None = None
     policy: str = DEFAULT_POLICY
     write_through: bool = False
+    write_queue: int = 256
     durable: bool = True
     redis: RedisConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes", "device_bytes", "disk_bytes"):
+        for name in ("host_bytes", "device_bytes", "disk_bytes", "write_queue"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.policy not in available_policies():
@@ -85,6 +97,7 @@ class PutResult(NamedTuple):
 class TieredStore:
     """Content-addressed entries over memory tiers (fastest first) and an optional disk tier.
 
+    write_queue: see `StoreConfig`; 0 (the default here) writes to disk in the calling thread.
     Raises ValueError if tier names repeat or there is no tier at all.
     """
 
@@ -95,6 +108,7 @@ class TieredStore:
         *,
         write_through: bool = False,
         shared: RedisTier | None = None,
+        write_queue: int = 0,
     ) -> None:
         self._memory = tuple(memory)
         self._disk = disk
@@ -110,6 +124,8 @@ class TieredStore:
             tier.pinned = self._pins
         self._lock = threading.RLock()
         self._hits = self._misses = self._puts = self._refused = 0
+        self._writes_queued = self._writes_dropped = 0
+        self._writer = _Writer(self, write_queue) if disk is not None and write_queue > 0 else None
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> TieredStore:
@@ -124,7 +140,13 @@ class TieredStore:
         if config.disk_path is not None:
             disk = DiskTier(config.disk_path, config.disk_bytes, config.policy, durable=config.durable)
         shared = RedisTier.from_config(config.redis) if config.redis is not None else None
-        return cls(memory, disk, write_through=config.write_through, shared=shared)
+        return cls(
+            memory,
+            disk,
+            write_through=config.write_through,
+            write_queue=config.write_queue,
+            shared=shared,
+        )
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -136,6 +158,7 @@ class TieredStore:
 
         Raises EntryTooLargeError when no tier's budget can hold it, TierFullError when every
         tier that could is held by pinned entries; the store is unchanged in both cases.
+        ValueError if `entry` is sealed with another key (an entry is filed under its own key only).
         """
         validate_key(key)
         with self._lock:
@@ -146,9 +169,11 @@ class TieredStore:
             target = next((t for t in self._memory if t.fits(nbytes) and t.can_admit(key, nbytes)), None)
             if target is None and self._disk is None:
                 raise TierFullError(f"entry {key!r}: every memory tier that fits it is pinned full")
-            owned = entry.to(target.device if target is not None else torch.device("cpu"), copy=True)
+            device = target.device if target is not None else torch.device("cpu")
+            owned = entry.to(device, copy=True).sealed(key)
             landed = None
-            if self._disk is not None and (self._write_through or target is None):
+            later = target is not None and self._writer is not None
+            if self._disk is not None and (target is None or (self._write_through and not later)):
                 try:
                     self._disk.insert(key, owned, "put")
                 except EntryTooLargeError:  # the file header tipped it over the disk budget
@@ -158,6 +183,8 @@ class TieredStore:
             for tier in self._memory:
                 tier.remove(key)
             landed = self._place(0, len(self._memory), key, owned, "put") or landed
+            if self._write_through and later:
+                self._write_later(key, owned)
             self._puts += 1
             if self.shared is not None:
                 self.shared.submit(key, owned)  # store tensors are read-only: the writer may encode later
@@ -188,23 +215,19 @@ class TieredStore:
         """The shared tier's state (breaker, queue, last error); None without one."""
         return self.shared.health() if self.shared is not None else None
 
-    def close(self) -> None:
-        """Write what is queued for the shared tier and stop its writer (local tiers need nothing)."""
-        if self.shared is not None:
-            self.shared.close()
-
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str, tokens: str | None = None) -> Entry | None:
         """The entry under `key`, promoted to the fastest tier that takes it; None on a miss.
 
-        Returned tensors share storage with the store: treat them as read-only.
+        tokens: the fingerprint the entry must certify (see `entry.certify`); None checks the key
+        only. Returned tensors share storage with the store: treat them as read-only.
         """
         with self._lock:
-            return self._get(key)
+            return self._get(key, tokens)
 
-    def pin(self, key: str) -> Entry | None:
+    def pin(self, key: str, tokens: str | None = None) -> Entry | None:
         """`get`, and keep the entry from eviction until as many `unpin` calls; None on a miss."""
         with self._lock:
-            entry = self._get(key)
+            entry = self._get(key, tokens)
             if entry is not None:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return entry
@@ -221,9 +244,9 @@ class TieredStore:
                 self._pins[key] = count - 1
 
     @contextlib.contextmanager
-    def pinned(self, key: str) -> Iterator[Entry | None]:
+    def pinned(self, key: str, tokens: str | None = None) -> Iterator[Entry | None]:
         """Pin `key` for the block; yields the entry, or None on a miss (then nothing is pinned)."""
-        entry = self.pin(key)
+        entry = self.pin(key, tokens)
         try:
             yield entry
         finally:
@@ -249,7 +272,10 @@ class TieredStore:
             return sorted({k for tier in self.tiers for k in tier if k.startswith(prefix)})
 
     def flush(self) -> int:
-        """Write every memory entry missing from disk to disk; how many were written."""
+        """Wait for the background writes, then write every memory entry missing from disk to disk;
+        how many this call wrote itself."""
+        if self._writer is not None:
+            self._writer.drain()
         with self._lock:
             if self._disk is None:
                 return 0
@@ -262,23 +288,55 @@ class TieredStore:
                         written += 1
             return written
 
+    def close(self) -> int:
+        """`flush`, then stop the background writer (later writes happen in the caller); how many
+        entries the flush wrote. Call on a clean stop so a restart finds what memory held."""
+        written = self.flush()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        if self.shared is not None:
+            self.shared.close()  # what is queued for the shared tier is written first
+        return written
+
     def stats(self) -> StoreStats:
         """A frozen snapshot of every counter."""
         with self._lock:
             tiers = tuple(t.stats() for t in self.tiers)
             if self.shared is not None:
                 tiers = (*tiers, self.shared.stats())
-            return StoreStats(tiers, self._hits, self._misses, self._puts, self._refused)
+            pending = self._writer.pending if self._writer is not None else 0
+            return StoreStats(
+                tiers,
+                self._hits,
+                self._misses,
+                self._puts,
+                self._refused,
+                self._writes_queued,
+                self._writes_dropped,
+                pending,
+            )
 
-    def _get(self, key: str) -> Entry | None:
+    def _certified(self, tier: Tier, key: str, entry: Entry, tokens: str | None) -> Entry | None:
+        """`entry` if it certifies `key` and `tokens`; else dropped from `tier`, counted, None."""
+        try:
+            return certify(entry, key, tokens)
+        except MisfiledEntryError:
+            tier.counters.hits -= 1  # the tier counted a hit; it was a refusal
+            tier.counters.misses += 1
+            tier.counters.misfiled += 1
+            tier.remove(key)
+            return None
+
+    def _get(self, key: str, tokens: str | None) -> Entry | None:
         for i, tier in enumerate(self._memory):
             entry = tier.get(key)
-            if entry is not None:
+            if entry is not None and self._certified(tier, key, entry, tokens) is not None:
                 self._hits += 1
                 return self._promote(i, key, entry)
         if self._disk is not None:
             entry = self._disk.get(key)
-            if entry is not None:
+            if entry is not None and self._certified(self._disk, key, entry, tokens) is not None:
                 self._hits += 1
                 landed = self._place(0, len(self._memory), key, entry, "promotion")
                 held = self._memory_tier(landed).peek(key) if landed is not None else None
@@ -314,8 +372,81 @@ class TieredStore:
         if self._place(start, len(self._memory), key, entry, "demotion") is not None:
             return
         if self._disk is not None and key not in self._disk:
+            if self._writer is not None:
+                self._write_later(key, entry)
+                return
             with contextlib.suppress(EntryTooLargeError, TierFullError):
                 self._disk.insert(key, entry, "demotion")
 
+    def _write_later(self, key: str, entry: Entry) -> None:
+        """Hand a disk write to the background writer; a full queue drops it (counted)."""
+        if self._writer is not None and self._writer.offer(key, entry):
+            self._writes_queued += 1
+        else:
+            self._writes_dropped += 1
+
+    def _write_behind(self, key: str, entry: Entry) -> None:
+        """One background write: the file outside the lock, the index under it (writer thread)."""
+        disk = self._disk
+        if disk is None:
+            return
+        with self._lock:
+            if key in disk:
+                return
+        try:
+            staged = disk.stage(key, entry)
+        except (EntryTooLargeError, OSError):
+            with self._lock:
+                self._writes_dropped += 1
+            return
+        with self._lock:
+            if key in disk:
+                disk.discard(staged)
+                return
+            try:
+                disk.commit(staged, "put")
+            except (TierFullError, OSError):
+                self._writes_dropped += 1
+
     def _memory_tier(self, name: str) -> MemoryTier:
         return next(t for t in self._memory if t.name == name)
+
+
+class _Writer:
+    """One daemon thread writing queued entries to the store's disk tier, at most `size` waiting."""
+
+    def __init__(self, store: TieredStore, size: int) -> None:
+        self._store = store
+        self._queue: queue.Queue[tuple[str, Entry] | None] = queue.Queue(maxsize=size)
+        self._thread = threading.Thread(target=self._run, name="kamera-store-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def offer(self, key: str, entry: Entry) -> bool:
+        """Queue a write; False (nothing queued) when the queue is full."""
+        try:
+            self._queue.put_nowait((key, entry))
+        except queue.Full:
+            return False
+        return True
+
+    def drain(self) -> None:
+        """Wait until every queued write is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._store._write_behind(*item)
+            finally:
+                self._queue.task_done()
