@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demos.reorder", "encode real text chunks once, reorder them by rotation alone, answer"),
-    "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, video-multihop"),
+    "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, video-multihop, replicas"),
     "serve": ("agent.server.cli", "OpenAI-compatible HTTP endpoint with agent sessions"),
     "store": ("agent.store_cli", "check or repair (gc) a store directory offline"),
     "video-qa": (

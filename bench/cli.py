@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ttft": ("bench.ttft", "time to first token of an agent session: re-prefill, prefix cache, Kamera"),
     "traces": ("bench.traces", "content-addressed reuse on real agent traces under context policies"),
     "video-multihop": ("bench.video_multihop", "single- and multi-hop accuracy on the video world"),
+    "replicas": ("bench.replicas", "agent traces round-robin over 1, 2, 4 replicas, with and without Redis"),
 }
 
 
