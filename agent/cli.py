@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demos.reorder", "encode real text chunks once, reorder them by rotation alone, answer"),
-    "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, video-multihop, consistency"),
+    "demo": ("demos.reorder", "reordered documents answered in each reuse mode beside a full prefill"),
+    "bench": ("bench.cli", "benchmarks: relocation, fidelity, ttft, traces, consistency, replicas, ..."),
     "serve": ("agent.server.cli", "OpenAI-compatible HTTP endpoint with agent sessions"),
     "store": ("agent.store_cli", "check or repair (gc) a store directory offline"),
     "video-qa": (

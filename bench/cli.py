@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.consistency",
         "cached answers against a full prefill, per context policy and reuse mode",
     ),
+    "replicas": ("bench.replicas", "agent traces round-robin over 1, 2, 4 replicas, with and without Redis"),
 }
 
 

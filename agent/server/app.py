@@ -417,6 +417,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         metrics.prefilled_tokens.inc(u.prefilled_tokens)
         metrics.rotated_tokens.labels("chat").inc(u.rotated_tokens)
         metrics.lost_entries.inc(u.lost_entries)
+        metrics.tier_tokens.labels("redis").inc(u.shared_tokens)
         metrics.queue_wait.observe(started - arrival)
         metrics.ttft.labels("chat").observe(started - arrival + outcome.ttft_s)
         return S.CacheReport(
@@ -428,6 +429,7 @@ def create_app(runtime: Runtime) -> FastAPI:
             rotated_tokens=u.rotated_tokens,
             lost_entries=u.lost_entries,
             vision_encoder_calls=u.vision_encoder_calls,
+            shared_tokens=u.shared_tokens,
             queue_ms=round(1000 * (started - arrival), 3),
             ttft_ms=round(1000 * outcome.ttft_s, 3),
             total_ms=round(1000 * outcome.total_s, 3),
@@ -891,6 +893,9 @@ def create_app(runtime: Runtime) -> FastAPI:
             "sessions": len(runtime.sessions),
             "queue": runtime.worker.pending,
         }
+        shared = runtime.store.shared_health()
+        if shared is not None:  # a Redis that is away costs hits, not health: never a 503 for it
+            body["redis"] = shared._asdict()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

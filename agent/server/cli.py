@@ -3,7 +3,8 @@ serve the app with uvicorn (``serving.py``) until SIGTERM, which drains running 
 or SIGINT.
 
 Every option has an environment variable: ``--max-body-bytes`` is ``KAMERA_MAX_BODY_BYTES``,
-``--port`` is ``KAMERA_PORT``, and so on; an option on the command line wins. API keys come
+``--port`` is ``KAMERA_PORT``, ``--redis-url`` is ``KAMERA_REDIS_URL``, and so on; an option on
+the command line wins. API keys come
 from ``--api-keys-file`` (one ``key tenant`` pair a line) or ``KAMERA_API_KEYS``
 (``key:tenant,key:tenant``), never from a command line where ``ps`` would show them.
 """
@@ -56,6 +57,29 @@ def parser() -> argparse.ArgumentParser:
         help="default reuse of cached KV (a request's kamera_reuse overrides it): exact prefix only, "
         "content reuse repaired, or content reuse blind",
     )
+    shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
+    shared.add_argument(
+        "--redis-url",
+        default=_env("redis_url", None),
+        help="redis://[user:password@]host:port/db (rediss:// for TLS); unset: no shared tier",
+    )
+    shared.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        default=_env("redis_cluster", "") in ("1", "true", "yes"),
+        help="the URL names a Redis Cluster node",
+    )
+    shared.add_argument("--redis-ttl-s", type=int, default=int(_env("redis_ttl_s", 24 * 3600)))
+    shared.add_argument(
+        "--redis-max-entry-bytes", type=int, default=int(_env("redis_max_entry_bytes", 64 << 20))
+    )
+    shared.add_argument("--redis-timeout-ms", type=float, default=float(_env("redis_timeout_ms", 250)))
+    shared.add_argument(
+        "--redis-retry-s",
+        type=float,
+        default=float(_env("redis_retry_s", 5)),
+        help="after Redis fails, wait this long before asking again",
+    )
     media = p.add_argument_group("media")
     media.add_argument(
         "--allow-local-dir", default=_env("allow_local_dir", None), help="serve local media from here"
@@ -101,10 +125,21 @@ def build_config(args: argparse.Namespace) -> Any:
     from agent.server.media import MediaPolicy
     from agent.server.prompt_cache import PromptCacheConfig
     from agent.server.runtime import RuntimeConfig
-    from cache.store import StoreConfig
+    from cache.store import RedisConfig, StoreConfig
     from tools.media import FetchConfig
 
     hosts = frozenset(h.strip() for h in args.fetch_hosts.split(",") if h.strip())
+    redis = None
+    if args.redis_url:
+        redis = RedisConfig(
+            url=args.redis_url,
+            cluster=args.redis_cluster,
+            ttl_s=args.redis_ttl_s,
+            max_entry_bytes=args.redis_max_entry_bytes,
+            timeout_s=args.redis_timeout_ms / 1000,
+            connect_timeout_s=args.redis_timeout_ms / 1000,
+            retry_after_s=args.redis_retry_s,
+        )
     return RuntimeConfig(
         model=args.model,
         served_name=args.served_model_name,
@@ -117,6 +152,7 @@ def build_config(args: argparse.Namespace) -> Any:
             disk_bytes=args.disk_bytes,
             disk_path=args.disk_path,
             policy=args.store_policy,
+            redis=redis,
             write_through=args.disk_path is not None,  # in the background; a restart finds every chunk
         ),
         prompt_cache=PromptCacheConfig(mode=args.reuse_mode),

@@ -65,6 +65,7 @@ class RuntimeCollector(Collector):
         writes.add_metric(["dropped"], stats.writes_dropped)
         yield writes
         yield GaugeMetricFamily("kamera_store_write_queue", "Disk writes waiting", value=stats.write_queue)
+        yield from _shared_metrics(self.runtime)
         yield CounterMetricFamily(
             "kamera_vision_encoder_calls",
             "Vision encoder runs (one per image not already encoded)",
@@ -81,6 +82,31 @@ class RuntimeCollector(Collector):
             "Model jobs admitted (running and waiting)",
             value=self.runtime.worker.pending,
         )
+
+
+def _shared_metrics(runtime: Runtime) -> Iterator[Metric]:
+    """The shared tier's breaker and background writes; nothing without one."""
+    health = runtime.store.shared_health()
+    if health is None:
+        return
+    up = GaugeMetricFamily(
+        "kamera_store_up", "1 while the tier's circuit breaker lets calls through", labels=["tier"]
+    )
+    up.add_metric(["redis"], 0 if health.state == "open" else 1)
+    yield up
+    queued = GaugeMetricFamily(
+        "kamera_store_shared_write_queue", "Writes waiting for the shared tier", labels=["tier"]
+    )
+    queued.add_metric(["redis"], health.queued)
+    yield queued
+    writes = CounterMetricFamily(
+        "kamera_store_shared_writes_lost",
+        "Writes not stored: dropped (queue full, tier away) or refused (full, too large)",
+        labels=["tier", "why"],
+    )
+    writes.add_metric(["redis", "dropped"], health.writes_dropped)
+    writes.add_metric(["redis", "refused"], health.writes_refused)
+    yield writes
 
 
 class Metrics:
@@ -110,6 +136,12 @@ class Metrics:
         )
         self.rotated_tokens = Counter(
             "kamera_tokens_rotated", "Reused tokens moved by rotation", ["endpoint"], registry=r
+        )
+        self.tier_tokens = Counter(
+            "kamera_prompt_tokens_from_tier",
+            "Reused chat prompt tokens whose KV came from a shared tier this request",
+            ["tier"],
+            registry=r,
         )
         self.lost_entries = Counter(
             "kamera_prompt_cache_lost_entries", "Planned reuse whose store entry was gone", registry=r

@@ -258,6 +258,7 @@ class PromptUsage(NamedTuple):
     vision_encoder_calls: int
     mode: ReuseMode = "exact"
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
+    shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
 
     @property
     def cached_tokens(self) -> int:
@@ -350,8 +351,9 @@ class PromptCache:
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         cuts = prompt.cuts(self.config.block_tokens)
         ctx = _Context(self, prompt, planner.namespace, cuts)
+        fetched = self._prefetch(prompt, plan, ctx, mode)
         steps, lost = self._steps(prompt, plan, ctx, mode)
-        counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired"), 0)
+        counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired", "shared"), 0)
         pending: list[tuple[ChunkKV, int]] = []  # reused chunks not yet in the model cache
         repair: list[tuple[int, int]] = []  # reused unit spans to repair
         rows: list[tuple[TableRow, ChunkKV | None]] = []
@@ -364,6 +366,12 @@ class PromptCache:
                 pending.append((step.kv, int(prompt.pos_off[step.start])))
                 rows.extend((r, None) for r in step.refs)
                 counts["prefix" if step.exact else "relocated"] += n_tok
+                if fetched:
+                    counts["shared"] += sum(
+                        int(prompt.tok_off[r.end] - prompt.tok_off[r.start])
+                        for r in step.refs
+                        if r.key in fetched
+                    )
                 counts["rotated"] += n_tok if step.delta else 0
                 exact_units = step.end if step.exact else exact_units
                 if not step.exact and mode == "repair":
@@ -397,6 +405,7 @@ class PromptCache:
             vision_encoder_calls=int(getattr(self.adapter, "vision_encoder_calls", 0)) - encoder_before,
             mode=mode,
             repaired_tokens=counts["repaired"],
+            shared_tokens=counts["shared"],
         )
         return Prepared(
             cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
@@ -558,6 +567,45 @@ class PromptCache:
             out.append(ChunkKV(k, kv.v, kv.positions, kv.extent, kv.family, target))
             offset += kv.extent
         return concat_kv(out)
+
+    def _prefetch(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> frozenset[str]:
+        """Two round trips to the store's shared tier (Redis), for what this prompt may reuse and
+        no local tier holds: the keys of its exact prefix's segments and of the rows its radix
+        and content hits point at, the aliases of its misses, then the rows those aliases point
+        at. Returns the keys brought in (another replica's work)."""
+        if getattr(self.store, "shared", None) is None:
+            return frozenset()
+        n_units = len(prompt.units)
+        keys = [
+            ctx.store_key(a, b, exact=True)
+            for a, b in ctx.segments(0, n_units - 1)
+            if b == _cut_back(ctx.cuts, b)
+        ]
+        for _, seg in _offsets(plan.prefix):
+            if isinstance(seg.payload, Record):
+                keys += [
+                    r.key
+                    for r in seg.payload.table
+                    if r.end > seg.offset and r.start < seg.offset + seg.length
+                ]
+        aliases = []
+        for c in plan.chunks:
+            if mode == "exact":
+                break
+            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
+                lo, hi = c.source_start, c.source_start + c.n_tokens
+                keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
+            elif c.status == "miss":
+                aliases.append(record_key(ctx.content_key(c.start, c.end).hex, "alias"))
+        fetched = set(self.store.prefetch([*keys, *aliases]))
+        rows = []
+        for key in aliases:
+            entry = self.store.get(key) if key in fetched else None
+            if entry is not None:
+                rows += [str(r[2]) for r in entry.meta.get("rows", ()) if isinstance(r, list) and len(r) > 2]
+        if rows:
+            fetched |= self.store.prefetch(rows)
+        return frozenset(fetched)
 
     def _alias(self, ctx: _Context, a: int, b: int) -> Record | None:
         """The stored alias of units [a, b) by their content alone: where some prompt, in this

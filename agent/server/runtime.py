@@ -164,7 +164,7 @@ class Runtime:
             time.sleep(0.05)
         finished = self.worker.pending == 0
         self.worker.shutdown()
-        self.store.close()
+        self.store.close()  # what is queued for the shared tier is written before exit
         return finished
 
     def tenant_salt(self, tenant: str, cache_salt: str | None) -> str:

@@ -221,6 +221,7 @@ class CacheReport(BaseModel):
     rotated_tokens: int
     lost_entries: int
     vision_encoder_calls: int
+    shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
     queue_ms: float
     ttft_ms: float
     total_ms: float

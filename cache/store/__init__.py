@@ -1,4 +1,5 @@
-"""The content-addressed KV store: entries of named tensors in device, host and disk tiers.
+"""The content-addressed KV store: entries of named tensors in device, host and disk tiers, and
+optionally a Redis tier shared by many replicas (`redis_tier`).
 
 Build one with `TieredStore.from_config(StoreConfig(...))`, or from tiers for tests. Keys are
 content hashes made by the caller; sub-records of a chunk use `record_key`. Entries certify
@@ -23,6 +24,7 @@ from .entry import (
 from .memory import MemoryTier
 from .policies import EvictionPolicy, available_policies, make_policy, register_policy
 from .recovery import Report, scan
+from .redis_tier import RedisConfig, RedisHealth, RedisTier
 from .stats import StatsSource, StoreStats, TierStats
 from .tier import Tier
 from .tiered import PutResult, StoreConfig, TieredStore
@@ -36,6 +38,9 @@ __all__ = [
     "MemoryTier",
     "MisfiledEntryError",
     "PutResult",
+    "RedisConfig",
+    "RedisHealth",
+    "RedisTier",
     "Report",
     "StatsSource",
     "StoreConfig",

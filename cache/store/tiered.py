@@ -1,4 +1,4 @@
-"""The tiered store: device -> host -> disk, with demotion on eviction and promotion on hit.
+"""The tiered store: device -> host -> disk (-> Redis), with demotion on eviction and promotion on hit.
 
 Memory tiers (device, host) are exclusive: a key lives in at most one of them. The disk tier is
 inclusive: a disk hit is copied up and the file stays, and with `write_through` every put also
@@ -12,6 +12,11 @@ drops the write (counted), and `flush`/`close` drain it and write what memory st
     get:  tiers are asked fastest first; a hit below the top is promoted to the fastest tier that
           can take it (moved from host, copied from disk).
     pin:  a pinned key is never evicted nor demoted, in any tier, until unpinned.
+    shared: an optional Redis tier (``redis_tier``) below the local ones, for many replicas. It
+          is read only by `prefetch`, one round trip for all the keys a request needs, whose hits
+          land in the memory tiers as promotions (`get` never waits on the network) and are
+          certified like any hit when read; every accepted put is queued for it in the
+          background.
 
 Every entry is sealed with its key on put, and every hit, from any tier, is certified against the
 key it was looked up by and the caller's token fingerprint (`entry.certify`): an entry that names
@@ -19,8 +24,8 @@ another key or other tokens is dropped from its tier, counted in `misfiled`, and
 on to the next tier as if it had missed.
 
 One re-entrant lock serialises every call and the index updates of background writes; the file
-writes themselves happen outside it. This module does not hash content, prefetch, or talk to a
-networked tier.
+writes and the network round trip of `prefetch` happen outside it. This module does not hash
+content.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .disk import DiskTier
 from .entry import Entry, EntryTooLargeError, MisfiledEntryError, TierFullError, certify, validate_key
 from .memory import MemoryTier
 from .policies import DEFAULT_POLICY, available_policies
+from .redis_tier import RedisConfig, RedisHealth, RedisTier
 from .stats import StoreStats
 from .tier import Arrival, Tier
 
@@ -55,6 +61,7 @@ class StoreConfig:
     write_through: also write every put to disk (needed for other processes, or a restart, to see it).
     write_queue: disk writes waiting for the background writer, at most; 0 writes in the caller.
     durable: fsync every disk write.
+    redis: the shared tier below the local ones (see `RedisConfig`); None: no shared tier.
     """
 
     host_bytes: int
@@ -66,6 +73,7 @@ class StoreConfig:
     write_through: bool = False
     write_queue: int = 256
     durable: bool = True
+    redis: RedisConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "device_bytes", "disk_bytes", "write_queue"):
@@ -99,10 +107,12 @@ class TieredStore:
         disk: DiskTier | None = None,
         *,
         write_through: bool = False,
+        shared: RedisTier | None = None,
         write_queue: int = 0,
     ) -> None:
         self._memory = tuple(memory)
         self._disk = disk
+        self.shared = shared
         names = [t.name for t in self.tiers]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"a store needs at least one tier, uniquely named; got {names}")
@@ -129,7 +139,14 @@ class TieredStore:
         disk = None
         if config.disk_path is not None:
             disk = DiskTier(config.disk_path, config.disk_bytes, config.policy, durable=config.durable)
-        return cls(memory, disk, write_through=config.write_through, write_queue=config.write_queue)
+        shared = RedisTier.from_config(config.redis) if config.redis is not None else None
+        return cls(
+            memory,
+            disk,
+            write_through=config.write_through,
+            write_queue=config.write_queue,
+            shared=shared,
+        )
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -169,7 +186,34 @@ class TieredStore:
             if self._write_through and later:
                 self._write_later(key, owned)
             self._puts += 1
+            if self.shared is not None:
+                self.shared.submit(key, owned)  # store tensors are read-only: the writer may encode later
             return PutResult(str(landed), nbytes)
+
+    def prefetch(self, keys: Sequence[str]) -> frozenset[str]:
+        """Bring `keys` that no local tier holds in from the shared tier, in one round trip.
+
+        Hits are placed in the fastest memory tier that admits them, as promotions (one that none
+        admits is dropped); returns the keys placed. Without one, or when it is unreachable,
+        returns an empty set: the caller prefills what is missing.
+        """
+        if self.shared is None:
+            return frozenset()
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(keys) if not any(k in t for t in self.tiers)]
+        found = self.shared.fetch_many(wanted)  # outside the lock: the network may be slow
+        placed = []
+        with self._lock:
+            for key, entry in found.items():
+                if any(key in t for t in self.tiers):  # put meanwhile: keep the local one
+                    continue
+                if self._place(0, len(self._memory), key, entry, "promotion") is not None:
+                    placed.append(key)
+        return frozenset(placed)
+
+    def shared_health(self) -> RedisHealth | None:
+        """The shared tier's state (breaker, queue, last error); None without one."""
+        return self.shared.health() if self.shared is not None else None
 
     def get(self, key: str, tokens: str | None = None) -> Entry | None:
         """The entry under `key`, promoted to the fastest tier that takes it; None on a miss.
@@ -251,12 +295,16 @@ class TieredStore:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        if self.shared is not None:
+            self.shared.close()  # what is queued for the shared tier is written first
         return written
 
     def stats(self) -> StoreStats:
         """A frozen snapshot of every counter."""
         with self._lock:
             tiers = tuple(t.stats() for t in self.tiers)
+            if self.shared is not None:
+                tiers = (*tiers, self.shared.stats())
             pending = self._writer.pending if self._writer is not None else 0
             return StoreStats(
                 tiers,

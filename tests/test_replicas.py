@@ -1,0 +1,194 @@
+"""Two real ``kamera serve`` processes on one real ``redis-server``: what replica A prefilled,
+replica B reuses; tenants never share; a Redis that dies costs hits, never answers; a
+corrupted entry is refused. The model is the tiny random Llama (text only, same seed in both)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.redis_server import RedisServer, RedisServerMissingError, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+redis = pytest.importorskip("redis")
+DOC = " ".join(
+    f"Item {i}: the {['red', 'blue', 'green'][i % 3]} crate weighs {i * 13} kg." for i in range(30)
+)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    try:
+        server = RedisServer()
+    except RedisServerMissingError as exc:
+        pytest.skip(f"{exc}: the replica tests need a real Redis")
+    with server:
+        yield server
+
+
+class Replica:
+    """One ``kamera serve`` subprocess running this tree."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "KAMERA_API_KEYS": "key-a:alice,key-b:bob"}
+        env["KAMERA_REDIS_URL"] = redis_url
+        args = ["serve", "--model", "tiny:llama-gqa", "--port", str(self.port), "--threads", "1"]
+        args += ["--redis-retry-s", "1", "--redis-timeout-ms", "200", "--log-level", "warning"]
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from agent.cli import main; raise SystemExit(main())", *args],
+            cwd=ROOT,
+            env=env,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kamera serve exited with {self.process.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("kamera serve did not become healthy")
+
+    def chat(self, messages: list[dict[str, str]], key: str = "key-a", salt: str | None = None) -> Any:
+        body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(
+            self.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def health(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(self.url + "/health", timeout=5).json()
+        return body
+
+    def metric(self, name: str, labels: str = "") -> float:
+        # with API keys set, /metrics needs one too
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=5).text
+        want = f"{name}{{{labels}}}" if labels else name
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want + " "))
+
+    def flushed(self, timeout_s: float = 10) -> None:
+        """Wait until this replica's writes to Redis are done."""
+        deadline = time.monotonic() + timeout_s
+        while self.health()["redis"]["queued"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server: RedisServer) -> Iterator[tuple[Replica, Replica]]:
+    a, b = Replica(redis_server.url), Replica(redis_server.url)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def conversation(
+    system: str, doc: str = DOC, question: str = "Which crate is heaviest?"
+) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"{doc}\n\n{question}"}]
+
+
+def test_b_reuses_what_a_prefilled_at_another_position(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    first = a.chat(conversation("You are terse."))
+    assert first["kamera"]["shared_tokens"] == 0
+    a.flushed()
+    moved = b.chat(conversation("You are a careful assistant. Today is Monday; the sky is clear."))
+    report, prompt_tokens = moved["kamera"], moved["usage"]["prompt_tokens"]
+    assert report["shared_tokens"] >= 0.5 * prompt_tokens, report
+    assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] >= report["shared_tokens"]
+    assert b.metric("kamera_prompt_tokens_from_tier_total", 'tier="redis"') >= report["shared_tokens"]
+    assert b.metric("kamera_store_hits_total", 'tier="redis"') > 0
+    assert b.health()["redis"]["state"] == "closed"
+
+
+def test_another_tenant_reuses_nothing(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    doc = DOC.replace("crate", "barrel")
+    a.chat(conversation("You are terse.", doc), key="key-a")
+    a.flushed()
+    other = b.chat(conversation("You are terse.", doc), key="key-b")
+    assert other["kamera"]["shared_tokens"] == 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_corrupt_entry_is_refused(replicas: tuple[Replica, Replica], redis_server: RedisServer) -> None:
+    a, b = replicas
+    client = redis.Redis.from_url(redis_server.url)
+    before = set(client.keys("kamera:*"))
+    messages = conversation("You are terse.", DOC.replace("crate", "parcel"))
+    a.chat(messages, salt="corrupt")
+    a.flushed()
+    written = set(client.keys("kamera:*")) - before
+    assert written
+    for key in written:  # flip one byte near the end of every entry A wrote
+        value = bytearray(client.get(key))
+        value[-2] ^= 0x5A
+        client.set(key, bytes(value))
+    dropped = b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"')
+    refused = b.chat(messages, salt="corrupt")
+    assert refused["kamera"]["shared_tokens"] == 0
+    assert refused["kamera"]["prefilled_tokens"] == refused["usage"]["prompt_tokens"]
+    # every damaged entry B asked for was dropped (the segment holding the prompt's last token is
+    # never asked for: it is always prefilled)
+    assert dropped + len(written) - 1 <= b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"')
+    full = b.chat(messages, salt="a fresh salt: a full prefill")
+    assert refused["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"]
+
+
+def test_redis_killed_mid_run(replicas: tuple[Replica, Replica], redis_server: RedisServer) -> None:
+    a, b = replicas
+    redis_server.kill()
+    for i in range(6):
+        replica = (a, b)[i % 2]
+        out = replica.chat(conversation(f"Turn {i}.", DOC.replace("crate", f"box-{i}")))
+        assert out["kamera"]["shared_tokens"] == 0
+    for replica in (a, b):
+        health = replica.health()  # a Redis that is away is not a sick replica
+        assert health["status"] == "ok"
+        assert health["redis"]["state"] != "closed"
+        assert health["redis"]["last_error"]
+        assert (
+            replica.metric("kamera_store_up", 'tier="redis"') == 0 or health["redis"]["state"] == "half-open"
+        )
+    redis_server.start()
+    deadline = time.monotonic() + 20
+    while any(r.health()["redis"]["state"] != "closed" for r in (a, b)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(r.health()["redis"]["state"] == "closed" for r in (a, b))
+    doc = DOC.replace("crate", "drum")
+    a.chat(conversation("You are terse.", doc))
+    a.flushed()
+    back = b.chat(conversation("Answer in one word, please, and be quick about it.", doc))
+    assert back["kamera"]["shared_tokens"] >= 0.5 * back["usage"]["prompt_tokens"]
