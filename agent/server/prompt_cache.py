@@ -350,7 +350,7 @@ class PromptCache:
         encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         cuts = prompt.cuts(self.config.block_tokens)
-        ctx = _Context(self, prompt, planner.namespace, cuts)
+        ctx = _Context(prompt, planner.namespace, cuts)
         fetched = self._prefetch(prompt, plan, ctx, mode)
         steps, lost = self._steps(prompt, plan, ctx, mode)
         counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired", "shared"), 0)
@@ -681,7 +681,7 @@ class PromptCache:
     def _write_aliases(self, prepared: Prepared, record: Record) -> int:
         """An alias entry per chunk large enough to be reused by content (no tensors: the rows
         of ``record`` that hold it), so another process finds it by its content key."""
-        ctx = _Context(self, prepared.prompt, prepared.planner.namespace, np.zeros(1, np.int64))
+        ctx = _Context(prepared.prompt, prepared.planner.namespace, np.zeros(1, np.int64))
         written = 0
         for c in prepared.plan.chunks:
             a, b = c.start, c.end
@@ -719,7 +719,7 @@ class PromptCache:
 class _Context:
     """Segments and context-chained store keys of one prompt."""
 
-    def __init__(self, pc: PromptCache, prompt: Prompt, namespace: Namespace, cuts: np.ndarray) -> None:
+    def __init__(self, prompt: Prompt, namespace: Namespace, cuts: np.ndarray) -> None:
         self.prompt, self.namespace, self.cuts = prompt, namespace, cuts
         self._chain: dict[int, ContentKey | None] = {0: None}
 
