@@ -1,0 +1,109 @@
+"""The context manager's vocabulary: where a window chunk's KV came from, the window's config,
+what a user sees of a chunk, and what the window did (counters).
+
+Not here: the operations (``agent/context.py``), what a chunk leaves in the store
+(``agent/keep.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from cache.patch import PatchConfig
+from cache.rank import rank_strategy
+from cache.rope import KERNELS
+
+
+class Source(StrEnum):
+    """Where a window chunk's KV came from."""
+
+    PREFIX = "prefix"  # the pinned prefix, prefilled once at position 0
+    PREFILLED = "prefilled"  # prefilled in this window: exact conditioned KV
+    ROTATED = "rotated"  # a survivor of a slide or reorder: its conditioned KV, moved
+    PATCHED = "canonical+patch"  # recalled: canonical + the patch for its original antecedents
+    ORBIT = "canonical+orbit"  # reordered: canonical + the orbit patch of the window's set
+    CANONICAL = "canonical"  # no patch found: canonical KV alone (blind reuse)
+    CONDITIONED = "conditioned"  # recalled: its stored conditioned KV (exact for its old antecedents)
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted
+    and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). headroom_tokens: spare
+    room kept after the window in its buffer for a step's new tokens (it grows if a step needs
+    more). max_offset: the largest position shift of the window in the live cache (default: the
+    budget; 0 keeps the window at position 0, rotating survivors on every slide). orbit_orderings:
+    orderings sampled per orbit fit. keep: what an evicted chunk leaves in the store:
+    ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
+    patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
+    (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
+    context; for streams such as video where content rarely repeats in another context)."""
+
+    budget_tokens: int = 4096
+    patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
+    rope_kernel: str = "auto"
+    headroom_tokens: int = 256
+    max_offset: int | None = None
+    orbit_orderings: int = 4
+    tenant_salt: str = ""
+    keep: str = "canonical+patch"
+
+    def __post_init__(self) -> None:
+        if self.keep not in ("canonical+patch", "conditioned"):
+            raise ValueError(f"keep must be 'canonical+patch' or 'conditioned', got {self.keep!r}")
+        if self.budget_tokens <= 0:
+            raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
+        if self.headroom_tokens < 0 or (self.max_offset is not None and self.max_offset < 0):
+            raise ValueError("headroom_tokens and max_offset must not be negative")
+        if self.orbit_orderings < 1:
+            raise ValueError("orbit_orderings must be at least 1")
+        if self.rope_kernel not in KERNELS:
+            raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One chunk of the window as a user sees it."""
+
+    chunk_id: str
+    kind: str
+    n_tokens: int
+    extent: int
+    start: int
+    source: Source
+    meta: dict[str, Any]
+
+
+@dataclass
+class Counters:
+    """What the window did, cumulatively. ``tokens_reused``: window tokens that a step's new
+    tokens attended to without recomputing them (kept by whoever runs the steps)."""
+
+    tokens_prefilled: int = 0
+    tokens_reused: int = 0
+    tokens_rotated: int = 0
+    patches_applied: int = 0
+    patches_fitted: int = 0
+    canonical_encodes: int = 0
+    recompute_on_miss: int = 0
+    assemblies: int = 0
+    rebuilds: int = 0
+    slides: int = 0
+    chunks_evicted: int = 0
+    fit_ms: float = 0.0
+    assemble_ms: float = 0.0
+
+
+def context_key(chunk_ids: Iterable[str]) -> str:
+    h = hashlib.blake2b(b"kamera.context.v1", digest_size=20)
+    for cid in chunk_ids:
+        h.update(cid.encode() + b"\x00")
+    return h.hexdigest()
+
+
+def set_key(chunk_ids: Iterable[str]) -> str:
+    return "set-" + context_key(sorted(chunk_ids))
