@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +38,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from agent.server.answer import answer
 from agent.server.chat import Message, render
-from agent.server.generation import SamplingParams, decode
+from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
 from bench.traces_data import get_policy, load_sessions, message_body
 from cache.store import StoreConfig, TieredStore
@@ -72,11 +72,9 @@ def to_messages(request: Sequence[dict[str, Any]]) -> list[Message]:
 
 def run(pc: PromptCache, prompt: Any, salt: str, mode: ReuseMode, params: SamplingParams) -> Outcome:
     t0 = time.perf_counter()
-    prepared = pc.prepare(prompt, salt, mode)
-    out = decode(pc.adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
-    ttft = out.first_token_at - t0
-    pc.commit(prepared)
-    return Outcome(out.tokens, prepared.logits, ttft, prepared.usage)
+    out = answer(pc, prompt, salt, mode, params)
+    ttft = out.decoded.first_token_at - t0
+    return Outcome(out.decoded.tokens, out.logits, ttft, out.usage)
 
 
 def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:

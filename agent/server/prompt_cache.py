@@ -99,7 +99,9 @@ class PromptCacheConfig:
     rope_kernel: rotation kernel (``cache.rope.KERNELS``). max_tenants: planners kept.
     mode: the default reuse mode (module docstring). block_tokens: prefill segment size, the
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
-    than this. repair_ratio: share of a repaired piece's tokens recomputed."""
+    than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
+    greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
+    exact KV (``answer.py``; 0: never)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -110,6 +112,7 @@ class PromptCacheConfig:
     block_tokens: int = 128
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
+    repair_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -121,6 +124,8 @@ class PromptCacheConfig:
             raise ValueError(f"min_reuse_tokens must be at least 1, got {self.min_reuse_tokens}")
         if not 0.0 <= self.repair_ratio <= 1.0:
             raise ValueError(f"repair_ratio must lie in [0, 1], got {self.repair_ratio}")
+        if not 0.0 <= self.repair_margin < float("inf"):
+            raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
 
 
 def check_mode(mode: str) -> ReuseMode:
@@ -140,6 +145,7 @@ class PromptUsage(NamedTuple):
     mode: ReuseMode = "exact"
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
+    fallback_tokens: int = 0  # prefilled again when a too-close call moved decoding to exact KV
 
     @property
     def cached_tokens(self) -> int:

@@ -24,8 +24,9 @@ from agent.adapters.base import ModelAdapter
 from agent.context import WindowConfig
 from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
+from agent.server.answer import answer
 from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
-from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
+from agent.server.generation import Decoded, SamplingParams, TextCallback
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
@@ -220,25 +221,12 @@ class Runtime:
                     f"the prompt has {prompt.n_tokens} tokens, over max_prompt_tokens="
                     f"{self.limits.max_prompt_tokens}"
                 )
-            prepared = self.prompt_cache.prepare(prompt, tenant_salt, mode)
-            if on_start is not None:
-                on_start()
-            try:
-                decoded = decode(
-                    self.adapter,
-                    prepared.logits,
-                    prepared.cache,
-                    prepared.position,
-                    params,
-                    cancel,
-                    on_text,
-                    constraint,
-                )
-            finally:
-                prepared.cache = None  # the request's own cache is not kept
-                self.prompt_cache.commit(prepared)
+            out = answer(
+                self.prompt_cache, prompt, tenant_salt, mode, params, cancel, on_text, constraint, on_start
+            )
+            decoded = out.decoded
         ttft = (decoded.first_token_at - t0) if decoded.first_token_at else time.perf_counter() - t0
-        return ChatOutcome(decoded, prepared.usage, ttft, time.perf_counter() - t0)
+        return ChatOutcome(decoded, out.usage, ttft, time.perf_counter() - t0)
 
     def new_agent(
         self, system_prompt: str, budget_tokens: int, policy: str, max_tokens: int, salt: str
