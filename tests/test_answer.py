@@ -10,7 +10,7 @@ from typing import Any
 from agent.server.answer import answer
 from agent.server.generation import SamplingParams, decode
 from agent.server.prompt_cache import PromptCache
-from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401, F811
+from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
 
 PARAMS = SamplingParams(max_tokens=24)
 FIRST = chat("Now: 1")
@@ -39,7 +39,7 @@ def _greedy(pc: PromptCache, prepared: Any, **kw: Any) -> Any:
     return decode(pc.adapter, prepared.logits, cache, position, PARAMS, threading.Event(), **kw)
 
 
-def _setup(llama: Any) -> tuple[PromptCache, Any, list[int], list[int], int]:
+def _setup(llama: Any) -> tuple[PromptCache, Any, list[int], list[int], int]:  # noqa: F811
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
     moved = prompt_of(pc, MOVED)
@@ -49,7 +49,7 @@ def _setup(llama: Any) -> tuple[PromptCache, Any, list[int], list[int], int]:
     return pc, moved, reference, blind, first_diff
 
 
-def test_a_close_call_after_a_divergence_rewinds_to_the_exact_answer(llama: Any) -> None:
+def test_a_close_call_after_a_divergence_rewinds_to_the_exact_answer(llama: Any) -> None:  # noqa: F811
     pc, moved, reference, blind, d = _setup(llama)
     assert d + 2 < PARAMS.max_tokens  # blind reuse changed the answer early: there is something to mend
     guard = Scripted(pc, moved, quiet=d + 2)
@@ -60,7 +60,7 @@ def test_a_close_call_after_a_divergence_rewinds_to_the_exact_answer(llama: Any)
     assert out.tokens == reference
 
 
-def test_text_already_streamed_is_kept_and_what_differs_is_counted(llama: Any) -> None:
+def test_text_already_streamed_is_kept_and_what_differs_is_counted(llama: Any) -> None:  # noqa: F811
     pc, moved, _, blind, d = _setup(llama)
     sent: list[str] = []
     guard = Scripted(pc, moved, quiet=d + 2)
@@ -70,7 +70,7 @@ def test_text_already_streamed_is_kept_and_what_differs_is_counted(llama: Any) -
     assert "".join(sent) == out.text
 
 
-def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:
+def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:  # noqa: F811
     pc, moved, _, _, _ = _setup(llama)
     guard = Scripted(pc, moved, quiet=0)
     params = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
@@ -81,7 +81,7 @@ def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:
     assert out.escalated_at is None
 
 
-def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:
+def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811
     pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=1e9))
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
     moved = prompt_of(pc, MOVED)
@@ -95,7 +95,7 @@ def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:
     assert again.usage.prefix_tokens > 0.9 * moved.n_tokens - pc.config.block_tokens
 
 
-def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:
+def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
     pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=0.0))
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
     out = answer(pc, prompt_of(pc, MOVED), "", "repair", PARAMS)
