@@ -50,7 +50,7 @@ def _setup(llama: Any) -> tuple[PromptCache, Any, list[int], list[int], int]:  #
 
 
 def test_a_close_call_after_a_divergence_rewinds_to_the_exact_answer(llama: Any) -> None:  # noqa: F811
-    pc, moved, reference, blind, d = _setup(llama)
+    pc, moved, reference, _, d = _setup(llama)
     assert d + 2 < PARAMS.max_tokens  # blind reuse changed the answer early: there is something to mend
     guard = Scripted(pc, moved, quiet=d + 2)
     out = _greedy(pc, pc.prepare(moved, mode="fast"), guard=guard)
