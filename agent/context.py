@@ -395,6 +395,20 @@ class ContextManager:
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache
 
+    @torch.inference_mode()
+    def fresh_cache(self) -> tuple[Any, int]:
+        """A model cache of the window prefilled afresh, chunk after chunk from position 0, with
+        nothing reused but what the adapter keeps by content (vision features): the cache a
+        re-prefill of this window gives. Returns it and the next token's position. The window
+        itself is not touched."""
+        cache, start = self.adapter.empty_cache(), 0
+        for slot in self._slots:
+            out = self.adapter.prefill(slot.input, cache, start)
+            start += out.kv.extent
+            self.counters.fresh_tokens += slot.input.n_tokens
+        self.counters.fresh_prefills += 1
+        return cache, start
+
     def invalidate(self) -> None:
         """Drop the live cache (e.g. after generating tokens that are not part of the window):
         the next :meth:`cache` shows the window alone again, without moving anything."""

@@ -41,7 +41,12 @@ class WindowConfig:
     ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
     patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
     (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
-    context; for streams such as video where content rarely repeats in another context)."""
+    context; for streams such as video where content rarely repeats in another context).
+    reuse: how a step answers on the window: ``repair`` (the window's KV, moved and patched, with
+    decoding guarded: a greedy step closer than ``repair_margin`` goes to a fresh prefill of the
+    window, :meth:`ContextManager.fresh_cache`), ``fast`` (the window's KV, unguarded) or
+    ``exact`` (every step on a fresh prefill of the window: what re-prefilling pays, vision
+    features still reused by content)."""
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
@@ -51,6 +56,8 @@ class WindowConfig:
     orbit_orderings: int = 4
     tenant_salt: str = ""
     keep: str = "canonical+patch"
+    reuse: str = "repair"
+    repair_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if self.keep not in ("canonical+patch", "conditioned"):
@@ -61,6 +68,10 @@ class WindowConfig:
             raise ValueError("headroom_tokens and max_offset must not be negative")
         if self.orbit_orderings < 1:
             raise ValueError("orbit_orderings must be at least 1")
+        if self.reuse not in ("exact", "repair", "fast"):
+            raise ValueError(f"reuse must be 'exact', 'repair' or 'fast', got {self.reuse!r}")
+        if not 0.0 <= self.repair_margin < float("inf"):
+            raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
         if self.rope_kernel not in KERNELS:
             raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
 
@@ -89,6 +100,8 @@ class Counters:
     patches_applied: int = 0
     patches_fitted: int = 0
     canonical_encodes: int = 0
+    fresh_prefills: int = 0  # steps answered on a fresh prefill of the window (exact, or a fallback)
+    fresh_tokens: int = 0  # tokens those prefilled
     recompute_on_miss: int = 0
     assemblies: int = 0
     rebuilds: int = 0
