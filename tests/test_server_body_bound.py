@@ -88,6 +88,26 @@ def test_json_bytes_per_token_bounds_any_text(text: str, ensure_ascii: bool) -> 
     assert written <= bound.json_bytes_per_token * len(tok.encode(text))
 
 
+SAMPLES = [
+    " " * 4000,
+    "-" * 3000,
+    "\x00\x1b" * 300,
+    'print("a\\tb")\n' * 50,
+    "Größe 日本語 🙂 " * 40,
+    "<|im_start|><|im_end|>" * 20,
+]
+
+
+def test_json_bytes_per_token_bounds_real_texts_of_smollm2(smollm2: Any) -> None:
+    tok = smollm2.tokenizer
+    bound = TokenBound.of(tok)
+    assert bound is not None
+    for text in SAMPLES:
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        for ensure_ascii in (True, False):
+            assert len(json.dumps(text, ensure_ascii=ensure_ascii)) - 2 <= bound.json_bytes_per_token * n
+
+
 def maximal(content: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 1, **extra}
 

@@ -55,7 +55,7 @@ def test_anything_else_is_refused() -> None:
         lambda: Slide(True),
         lambda: Recall(""),
         lambda: Recall("x", 0),
-        lambda: Reorder([1]),
+        lambda: Reorder((1,)),  # type: ignore[arg-type]
     ],
     ids=["negative slide", "boolean slide", "empty chunk id", "recall onto the prefix", "non-string id"],
 )

@@ -2,10 +2,10 @@
 
 Every limit is checked before the input it bounds is decoded: the body size from Content-Length
 and again while the body streams in (``BodyLimitMiddleware``, before any JSON parsing; a route
-may have a tighter bound of its own, :class:`BodyBound`), counts of
-messages, images and videos from the parsed request (before any image is decoded), bytes and
-pixels of each image from its header (``tools/media.py``), and a video's bytes, duration and
-frame size from its container metadata (``tools/video.py``).
+may have a tighter :class:`BodyBound` of its own), counts of messages, images and videos from
+the parsed request (before any image is decoded), bytes and pixels of each image from its header
+(``tools/media.py``), and a video's bytes, duration and frame size from its container metadata
+(``tools/video.py``).
 
 Not here: authentication, queueing (``runtime.py``).
 """
