@@ -100,7 +100,6 @@ def create_app(runtime: Runtime) -> FastAPI:
             log.info("stopped", extra={"drained": finished})
 
     app = FastAPI(title="Kamera", version="0.1.0", lifespan=lifespan)
-    app.router.route_class = state.route_class
     app.state.runtime = runtime
     app.state.metrics = state.metrics
     app.add_middleware(
@@ -133,7 +132,7 @@ def body_bounds(runtime: Runtime) -> dict[str, BodyBound]:
         f"no prompt of max_prompt_tokens={runtime.limits.max_prompt_tokens} tokens takes that much JSON "
         f"(model {runtime.config.name} takes no images)"
     )
-    return {"/v1/chat/completions": BodyBound(most, 400, "context_length_exceeded", "messages", why)}
+    return {chat.PATH: BodyBound(most, 400, "context_length_exceeded", "messages", why)}
 
 
 async def _sweep(runtime: Runtime) -> None:

@@ -33,13 +33,14 @@ from agent.server.state import ServerState, tenant_of
 from agent.server.structured import OutputPlan, output_plan
 from agent.server.tools import ToolError
 
+PATH = "/v1/chat/completions"
 Finish = Literal["stop", "length", "tool_calls"]
 
 
 def router(state: ServerState) -> APIRouter:
     api = APIRouter(route_class=state.route_class)
 
-    @api.post("/v1/chat/completions", response_model=S.ChatCompletion, responses=ERRORS)
+    @api.post(PATH, response_model=S.ChatCompletion, responses=ERRORS)
     async def chat_completions(
         body: S.ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)
     ) -> Any:
