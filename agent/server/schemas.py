@@ -224,6 +224,7 @@ class CacheReport(BaseModel):
     lost_entries: int
     vision_encoder_calls: int
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
+    fallback_tokens: int = 0  # prefilled again when a close call on repaired KV moved decoding to exact KV
     queue_ms: float
     ttft_ms: float
     total_ms: float

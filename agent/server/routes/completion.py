@@ -150,6 +150,7 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
     metrics.reuse.labels(u.mode, "repaired").inc(u.repaired_tokens)
     metrics.reuse.labels(u.mode, "reused").inc(u.relocated_tokens - u.repaired_tokens)
     metrics.reuse.labels(u.mode, "recomputed").inc(u.prefilled_tokens)
+    metrics.reuse.labels(u.mode, "fallback").inc(u.fallback_tokens)
     metrics.prefilled_tokens.inc(u.prefilled_tokens)
     metrics.rotated_tokens.labels("chat").inc(u.rotated_tokens)
     metrics.lost_entries.inc(u.lost_entries)
@@ -166,6 +167,7 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
         lost_entries=u.lost_entries,
         vision_encoder_calls=u.vision_encoder_calls,
         shared_tokens=u.shared_tokens,
+        fallback_tokens=u.fallback_tokens,
         queue_ms=round(1000 * (started - arrival), 3),
         ttft_ms=round(1000 * outcome.ttft_s, 3),
         total_ms=round(1000 * outcome.total_s, 3),
