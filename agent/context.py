@@ -27,52 +27,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
-from agent.context_types import ChunkView, Counters, Source, WindowConfig, context_key, set_key
+from agent.context_types import (
+    ChunkView,
+    Counters,
+    Ensured,
+    Evicted,
+    RecallError,
+    Slot,
+    Source,
+    WindowConfig,
+    context_key,
+    set_key,
+    slot_kind,
+)
 from agent.keep import Keeper
 from cache.layout import ChunkKV
 from cache.patch import apply_patch
 from cache.store import TieredStore
-from cache.window import Placement, Window
-
-
-@dataclass(frozen=True)
-class _Evicted:
-    """What an evicted chunk leaves behind: enough to find (or, on a store miss, rebuild) its KV."""
-
-    chunk_id: str
-    input: ChunkInput
-    context_key: str
-    meta: dict[str, Any]
-
-
-@dataclass(eq=False, kw_only=True)  # a slot is itself: the same chunk may sit in the window twice
-class _Slot(Placement):
-    """A window chunk: its placement (``kv``: the pre-RoPE KV this window uses for it) and what
-    the context manager knows of it."""
-
-    chunk_id: str
-    input: ChunkInput
-    source: Source
-    context_key: str  # the antecedents it was prefilled after (its patch's key)
-    meta: dict[str, Any]
-    finalized: bool = False
-
-
-class RecallError(KeyError):
-    """The chunk was never in this window, or is in it now."""
-
-
-class Ensured(NamedTuple):
-    """What :meth:`ContextManager.ensure` did: the chunk's id and how it got its place."""
-
-    chunk_id: str
-    how: Literal["present", "moved", "recalled", "appended"]
+from cache.window import Window
 
 
 class ContextManager:
@@ -88,12 +66,12 @@ class ContextManager:
         self.adapter, self.store, self.config = adapter, store, config
         self.counters = Counters()
         self._keep = Keeper(adapter, store, config, self.counters)
-        self._evicted: dict[str, _Evicted] = {}
+        self._evicted: dict[str, Evicted] = {}
         prefix_kv = adapter.encode(prefix)
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
-            _Slot(
+            Slot(
                 kv=prefix_kv, chunk_id=pid, input=prefix, source=Source.PREFIX,
                 context_key=context_key([]), meta={"kind": "prefix"}, finalized=True,
             )
@@ -126,7 +104,7 @@ class ContextManager:
 
     def view(self) -> tuple[ChunkView, ...]:
         return tuple(
-            ChunkView(s.chunk_id, _kind(s), s.kv.n_tokens, s.kv.extent, s.start, s.source, dict(s.meta))
+            ChunkView(s.chunk_id, slot_kind(s), s.kv.n_tokens, s.kv.extent, s.start, s.source, dict(s.meta))
             for s in self._slots
         )
 
@@ -200,7 +178,7 @@ class ContextManager:
                 f"a {kv.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
             )
         ctx = context_key(s.chunk_id for s in self._slots)
-        slot = _Slot(
+        slot = Slot(
             kv=kv,
             chunk_id=self.adapter.chunk_key(chunk, self.config.tenant_salt),
             input=chunk,
@@ -230,7 +208,7 @@ class ContextManager:
         gone = self._slots[1 : 1 + n_chunks]
         for slot in gone:
             self._finalize_slot(slot)
-            self._evicted[slot.chunk_id] = _Evicted(slot.chunk_id, slot.input, slot.context_key, slot.meta)
+            self._evicted[slot.chunk_id] = Evicted(slot.chunk_id, slot.input, slot.context_key, slot.meta)
         del self._slots[1 : 1 + n_chunks]
         for slot in self._slots[1:]:
             if slot.source == Source.PREFILLED:
@@ -247,7 +225,7 @@ class ContextManager:
         current = [s.chunk_id for s in self._slots[1:]]
         if sorted(order) != sorted(current):
             raise ValueError("reorder needs a permutation of the chunks in the window")
-        by_id: dict[str, list[_Slot]] = {}
+        by_id: dict[str, list[Slot]] = {}
         for s in self._slots[1:]:
             by_id.setdefault(s.chunk_id, []).append(s)
         skey = set_key(current)
@@ -278,7 +256,7 @@ class ContextManager:
             raise ValueError(f"recall index must be in 1..{len(self._slots)} (0 is the pinned prefix)")
         stored = self._keep.conditioned(chunk_id, gone.input, gone.context_key)
         if stored is not None:
-            slot = _Slot(
+            slot = Slot(
                 kv=stored,
                 chunk_id=chunk_id,
                 input=gone.input,
@@ -290,7 +268,7 @@ class ContextManager:
             return self._insert_recalled(slot, index)
         canonical = self._keep.canonical(chunk_id, gone.input, recompute=True)
         patch = self._keep.patch(chunk_id, gone.context_key)
-        slot = _Slot(
+        slot = Slot(
             kv=canonical,
             chunk_id=chunk_id,
             input=gone.input,
@@ -305,7 +283,7 @@ class ContextManager:
             self.counters.patches_applied += 1
         return self._insert_recalled(slot, index)
 
-    def _insert_recalled(self, slot: _Slot, index: int) -> ChunkView:
+    def _insert_recalled(self, slot: Slot, index: int) -> ChunkView:
         del self._evicted[slot.chunk_id]
         self._slots.insert(index, slot)
         while self.tokens > self.config.budget_tokens:
@@ -453,7 +431,7 @@ class ContextManager:
         if count:
             self.slide(count)
 
-    def _finalize_slot(self, slot: _Slot) -> None:
+    def _finalize_slot(self, slot: Slot) -> None:
         if slot.finalized:
             return
         if slot.source in (Source.PREFILLED, Source.ROTATED):  # unfinalized: conditioned KV
@@ -461,9 +439,3 @@ class ContextManager:
         else:
             self._keep.canonical(slot.chunk_id, slot.input, recompute=False)
         slot.finalized = True
-
-
-def _kind(slot: _Slot) -> str:
-    if slot.source == Source.PREFIX:
-        return "prefix"
-    return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))

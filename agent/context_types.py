@@ -1,5 +1,6 @@
 """The context manager's vocabulary: where a window chunk's KV came from, the window's config,
-what a user sees of a chunk, and what the window did (counters).
+what a user sees of a chunk, what the window did (counters), and its slots (a chunk's placement
+in the window with what the manager knows of it).
 
 Not here: the operations (``agent/context.py``), what a chunk leaves in the store
 (``agent/keep.py``).
@@ -11,11 +12,13 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
+from agent.adapters.base import ChunkInput, ImageInput
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
 from cache.rope import KERNELS
+from cache.window import Placement
 
 
 class Source(StrEnum):
@@ -120,3 +123,43 @@ def context_key(chunk_ids: Iterable[str]) -> str:
 
 def set_key(chunk_ids: Iterable[str]) -> str:
     return "set-" + context_key(sorted(chunk_ids))
+
+
+class RecallError(KeyError):
+    """The chunk was never in this window, or is in it now."""
+
+
+class Ensured(NamedTuple):
+    """What :meth:`ContextManager.ensure` did: the chunk's id and how it got its place."""
+
+    chunk_id: str
+    how: Literal["present", "moved", "recalled", "appended"]
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What an evicted chunk leaves behind: enough to find (or, on a store miss, rebuild) its KV."""
+
+    chunk_id: str
+    input: ChunkInput
+    context_key: str
+    meta: dict[str, Any]
+
+
+@dataclass(eq=False, kw_only=True)  # a slot is itself: the same chunk may sit in the window twice
+class Slot(Placement):
+    """A window chunk: its placement (``kv``: the pre-RoPE KV this window uses for it) and what
+    the context manager knows of it."""
+
+    chunk_id: str
+    input: ChunkInput
+    source: Source
+    context_key: str  # the antecedents it was prefilled after (its patch's key)
+    meta: dict[str, Any]
+    finalized: bool = False
+
+
+def slot_kind(slot: Slot) -> str:
+    if slot.source == Source.PREFIX:
+        return "prefix"
+    return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))
