@@ -1,6 +1,6 @@
 """``kamera bench video-multihop``: single- and multi-hop questions on reused video frames.
 
-On the test split of the synthetic video world (``demos/world.py``) every frame and every
+On the test split of the synthetic video world (``tools/world/render.py``) every frame and every
 ``frame k`` label is a chunk, encoded once and reused at other positions under three scenarios
 (``slide``, ``recall``, ``reorder``: ``bench/video_multihop_layout.py``). For each episode and
 scenario the context (system turn and pieces) is built by each method, then every question of
@@ -61,7 +61,7 @@ from bench.video_multihop_recompute import recompute_mrope
 from cache.layout import ChunkKV
 from cache.patch import PatchConfig, apply_and_place, fit_delta
 from cache.rank import rank_strategy
-from demos.world import Episode, Question, WorldConfig, episode_seed, make_episode, make_split
+from tools.world.render import Episode, Question, WorldConfig, episode_seed, make_episode, make_split
 
 
 @dataclass(frozen=True)
@@ -509,7 +509,7 @@ def print_table(console: Any, title: str, methods: dict[str, dict[str, Any]]) ->
 
 def load_model(name: str | None) -> QwenVLAdapter:
     """``tiny`` (random weights), a checkpoint folder, or by default the world model when present."""
-    from agent.models import WORLD_VL_DIR
+    from tools.world import WORLD_VL_DIR
 
     if name is None:
         name = str(WORLD_VL_DIR) if (WORLD_VL_DIR / "config.json").is_file() else "tiny"

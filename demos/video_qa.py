@@ -38,8 +38,8 @@ from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, lo
 from agent.adapters.qwen_vl import QwenVLAdapter
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
-from agent.models import WORLD_VL_DIR
 from demos.retrieval import RETRIEVALS, FrameRecord, make_retrieval
+from tools.world import WORLD_VL_DIR
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 TINY = "tiny"
@@ -75,7 +75,7 @@ class ByteTokenizer:
 
 
 def default_model_dir() -> Path:
-    """``agent/models/world_vl`` when it holds weights; otherwise a clear error."""
+    """``tools/world/world_vl`` when it holds weights; otherwise a clear error."""
     if any(WORLD_VL_DIR.glob("*.safetensors")) and (WORLD_VL_DIR / "config.json").is_file():
         return WORLD_VL_DIR
     raise ModelNotFoundError(

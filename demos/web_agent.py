@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-url", required=True, help="http(s) URL to open first")
     p.add_argument("--task", required=True, help="what the agent should do")
     p.add_argument(
-        "--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: agent/models/world_vl)"
+        "--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: tools/world/world_vl)"
     )
     p.add_argument("--policy", type=Path, help="script.json: a JSON list of actions replayed in order")
     p.add_argument("--no-model", action="store_true", help="with --policy: do not run the model")

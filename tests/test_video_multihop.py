@@ -25,7 +25,7 @@ from bench.video_multihop import (
 )
 from bench.video_multihop_layout import Encoders, Piece, build_case, pairs, shuffled_order, text_encoder
 from bench.video_multihop_recompute import recompute_mrope
-from demos.world import make_split
+from tools.world.render import make_split
 
 
 @pytest.fixture(scope="module")

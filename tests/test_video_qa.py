@@ -151,7 +151,7 @@ def test_bad_options_exit_2(video: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from agent.models import WORLD_VL_DIR
+    from tools.world import WORLD_VL_DIR
 
     if any(WORLD_VL_DIR.glob("*.safetensors")):
         pytest.skip("the world_vl checkpoint is present")
@@ -160,7 +160,7 @@ def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.Capt
 
 
 def test_labelled_layout_answers_world_questions_from_a_file(tmp_path: Path) -> None:
-    from demos.world import main as world_video
+    from tools.world.render import main as world_video
 
     path = tmp_path / "world.mp4"
     assert world_video([str(path), "--episodes", "2", "--per-episode", "2"]) == 0
