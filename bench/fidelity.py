@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.byte_tokenizer import ByteTokenizer
 from agent.recompute import DeviationSelection, FixedSelection, first_tokens, selective_recompute
 from bench.fidelity_data import QAItem, load_items
 from cache.layout import ChunkKV
@@ -90,19 +91,16 @@ class FidelityConfig:
 
 
 class Codec:
-    """Text to ids and back: the model's tokenizer, or bytes for the tiny random models."""
+    """Text to ids and back: the model's tokenizer, or bytes (:class:`ByteTokenizer`) for the tiny
+    random models, which ship none."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
 
     def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            return [2 + b for b in text.encode()]
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return bytes(max(0, i - 2) % 256 for i in ids).decode(errors="replace")
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
 

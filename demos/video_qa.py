@@ -23,19 +23,19 @@ import argparse
 import itertools
 import json
 import math
-import re
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.byte_tokenizer import ByteTokenizer
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
 from demos.retrieval import RETRIEVALS, FrameRecord, make_retrieval
@@ -52,26 +52,6 @@ class UsageError(ValueError):
 
 
 # --------------------------------------------------------------------------- models
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids, for the random-weight test model (which ships no tokenizer).
-
-    Ids: 0 ``<|endoftext|>``, 1 ``<|im_end|>`` (the tiny model's end token), 2 ``<|im_start|>``,
-    3..258 the bytes. The tiny model's vision ids (508..511) are never produced from text.
-    """
-
-    SPECIAL: ClassVar[dict[str, int]] = {"<|endoftext|>": 0, "<|im_end|>": 1, "<|im_start|>": 2}
-    _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL) + ")")
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        ids: list[int] = []
-        for part in self._SPLIT.split(text):
-            ids += [self.SPECIAL[part]] if part in self.SPECIAL else [3 + b for b in part.encode()]
-        return {"input_ids": ids}
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
 def default_model_dir() -> Path:

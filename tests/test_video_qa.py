@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("av")
 
 from demos.retrieval import FrameRecord, make_retrieval
-from demos.video_qa import ByteTokenizer, clock, main, parse_time, schedule
+from demos.video_qa import clock, main, parse_time, schedule
 from tools.video import counter_frames, write_video
 
 
@@ -50,14 +50,6 @@ def test_times_and_schedule() -> None:
 
     asked = schedule(Args())  # type: ignore[arg-type]
     assert [q.at for q in asked] == [5.0, None]
-
-
-def test_byte_tokenizer_round_trip() -> None:
-    tok = ByteTokenizer()
-    ids = tok("<|im_start|>user\nhé<|im_end|>")["input_ids"]
-    assert ids[0] == 2
-    assert ids[-1] == 1
-    assert tok.decode(ids) == "user\nhé"
 
 
 def test_pixel_bounds_of_the_model() -> None:
