@@ -26,7 +26,6 @@ Not here: turning observations into chunks and generating answers (``agent/loop.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from cache.arena import KVArena
+from cache.keys import digest_key
 from cache.layout import ChunkKV
 from cache.orbit import Delta, fit_orbit, sample_orderings
 from cache.patch import Patch, PatchConfig, apply_patch, fit_patch
@@ -154,10 +154,7 @@ class RecallError(KeyError):
 
 
 def context_key(chunk_ids: Iterable[str]) -> str:
-    h = hashlib.blake2b(b"kamera.context.v1", digest_size=20)
-    for cid in chunk_ids:
-        h.update(cid.encode() + b"\x00")
-    return h.hexdigest()
+    return digest_key("context", [cid.encode() for cid in chunk_ids]).hex
 
 
 def set_key(chunk_ids: Iterable[str]) -> str:

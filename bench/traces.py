@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import math
 import re
@@ -57,6 +56,7 @@ from bench.traces_data import (
     word_encode,
 )
 from cache.cdc import CDCConfig, chunk_bounds
+from cache.keys import digest_key
 from cache.patch import PatchConfig, apply_patch, fit_patch
 from cache.planner import Planner, PlannerConfig
 from cache.rank import FixedRank
@@ -460,7 +460,7 @@ def sample_turns(
                 if found is None:
                     combos.remove(combo)
                     break
-                digest = hashlib.blake2b(b"".join(p.ids.tobytes() + b"|" for p in found[1])).digest()
+                digest = digest_key("turn", [p.ids.tobytes() for p in found[1]]).digest
                 if digest not in seen:
                     seen.add(digest)
                     out.append((combo[0], combo[1], *found))

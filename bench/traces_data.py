@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from hashlib import blake2b
+from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import numpy as np
 
 from cache.cdc import CDCConfig, gear_values, window_hash
-from cache.keys import Namespace
+from cache.keys import Namespace, digest_key
 from cache.planner import Planner, PlannerConfig
 
 Message = dict[str, Any]
@@ -364,10 +364,12 @@ _WORD = re.compile(r"\w+|[^\w\s]|\s+")
 
 def word_encode(text: str, vocab: int = 50_000) -> list[int]:
     """Tokenizer-free stand-in: words, punctuation and whitespace runs hashed into ``vocab`` ids."""
-    return [
-        int.from_bytes(blake2b(w.encode(), digest_size=4).digest(), "big") % vocab
-        for w in _WORD.findall(text)
-    ]
+    return [_word_id(w, vocab) for w in _WORD.findall(text)]
+
+
+@lru_cache(maxsize=1 << 18)
+def _word_id(word: str, vocab: int) -> int:
+    return int.from_bytes(digest_key("word", [word.encode()]).digest[:4], "big") % vocab
 
 
 # --- replay -----------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ Not here: several tabs, downloads, credentials, or any fencing beyond the browse
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import sys
@@ -45,6 +44,7 @@ from agent.context import ContextManager, WindowConfig
 from agent.grammar import GrammarError
 from agent.loop import Agent, encoder_calls
 from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
+from cache.keys import digest_key
 from demos.report import render_run
 from demos.video_qa import TINY, UsageError, load_vl_adapter
 
@@ -198,7 +198,7 @@ def step_once(
         state.distinct.add(cid)
         observe_ms = 1000 * (time.perf_counter() - t0)
     else:
-        state.distinct.add(hashlib.sha256(png).hexdigest())
+        state.distinct.add(digest_key("screenshot", [png]).hex)
     policy = ActionPolicy()
     parse_error: str | None = None
     action: Action | None = None
