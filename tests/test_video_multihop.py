@@ -11,7 +11,7 @@ import torch
 
 from agent.adapters.base import ImageInput
 from agent.recompute import FixedSelection
-from bench.fidelity import Codec
+from bench.answers import Codec
 from bench.video_multihop import (
     PREFIX,
     TAIL,
