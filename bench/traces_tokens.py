@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -127,3 +127,68 @@ def word_encode(text: str, vocab: int = 50_000) -> list[int]:
 @lru_cache(maxsize=1 << 18)
 def _word_id(word: str, vocab: int) -> int:
     return int.from_bytes(digest_key("word", [word.encode()]).digest[:4], "big") % vocab
+
+
+class TemplateTokenizer:
+    """A request rendered by the tokenizer's chat template, generation prompt included.
+
+    The rendered text is cut before every ``marker`` (ChatML's ``<|im_start|>``) and each piece
+    is tokenized on its own (cached), so messages start on token bounds. With the marker a
+    special token, the pieces' ids concatenate to the ids of the whole text. Inside a piece,
+    the body starts after the header line (marker and role) and ends at ``end_marker``; these
+    and the body's tool-call structure (:func:`bench.traces_data.body_cuts`) are reported as
+    boundaries, before the token holding each (the ids are never changed to make one). Message
+    bodies are :func:`bench.traces_data.message_body` (tool calls as JSON), since the template
+    shows only ``content``. Needs a fast tokenizer (character offsets).
+    """
+
+    def __init__(self, tokenizer: Any, marker: str = "<|im_start|>", end_marker: str = "<|im_end|>") -> None:
+        self.tokenizer = tokenizer
+        self.end_marker = end_marker
+        self._split = re.compile(f"(?={re.escape(marker)})")
+        self._cache: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
+
+    def render(self, messages: Sequence[dict[str, Any]]) -> str:
+        msgs = [{"role": str(m.get("role", "user")), "content": message_body(m)} for m in messages]
+        text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return text
+
+    def _piece(self, piece: str) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Ids of one message piece [P] and the token offsets where its body starts and ends."""
+        if piece not in self._cache:
+            enc = self.tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+            start = piece.find("\n") + 1
+            end = piece.rfind(self.end_marker) if self.end_marker in piece else len(piece)
+            chars = [start, end, *(start + c for c in body_cuts(piece[start:end]))]
+            # a point inside a token cuts before that token
+            token_starts = [a for a, _ in enc["offset_mapping"]]
+            inside = np.searchsorted(token_starts, [c for c in chars if c < len(piece)], side="right") - 1
+            cuts = tuple(sorted({int(i) for i in inside if i > 0}))
+            self._cache[piece] = (np.asarray(enc["input_ids"], dtype=np.int64), cuts)
+        return self._cache[piece]
+
+    def __call__(self, messages: Sequence[dict[str, Any]]) -> Tokenized:
+        parts = [self._piece(p) for p in self._split.split(self.render(messages)) if p]
+        starts = np.cumsum([0, *[len(ids) for ids, _ in parts[:-1]]]).tolist() if parts else []
+        bounds = [b for s, (_, cuts) in zip(starts, parts, strict=True) for b in (s, *(s + c for c in cuts))]
+        ids = np.concatenate([ids for ids, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+        return Tokenized(ids, tuple(starts), tuple(bounds))
+
+
+def load_tokenizer(kind: str) -> tuple[Tokenizer, Any]:
+    """``word``: the tokenizer-free stand-in; ``model``: SmolLM2's tokenizer and template only;
+    ``adapter``: the same through the loaded model (returned second, else None)."""
+    if kind == "word":
+        return MessageTokenizer(word_encode), None
+    if kind == "model":
+        from transformers import AutoTokenizer
+
+        from agent.adapters.loading import embedded_text_model_dir
+
+        return TemplateTokenizer(AutoTokenizer.from_pretrained(embedded_text_model_dir())), None
+    if kind == "adapter":
+        from agent.adapters.loading import load_adapter
+
+        adapter = load_adapter()
+        return TemplateTokenizer(adapter.tokenizer), adapter
+    raise ValueError(f"tokenizer must be word, model or adapter, got {kind!r}")

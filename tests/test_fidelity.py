@@ -12,8 +12,8 @@ from agent.adapters.base import ModelAdapter
 from agent.adapters.tiny import tiny_adapter
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity import main
-from bench.fidelity_item import FidelityConfig, build_prompt, evaluate_item, reference_pass, run_tail
 from bench.fidelity_data import QAItem, in_split, load_items
+from bench.fidelity_item import FidelityConfig, build_prompt, evaluate_item, reference_pass, run_tail
 
 ITEM = QAItem(
     "x",

@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from agent.adapters.tiny import tiny_adapter
 from bench.ttft import main
 
 
