@@ -120,7 +120,7 @@ class Placed(NamedTuple):
 def place(chunk: ChunkKV, start: int, spec: RopeSpec) -> Placed:
     """Blind reuse: the chunk's KV rotated to ``start``, nothing else changed."""
     t0 = time.perf_counter()
-    kv = apply_and_place(chunk.k, chunk.v, None, chunk.placed_positions(start), spec)
+    kv = KV(*chunk.place(start, spec))
     return Placed(kv, place_s=time.perf_counter() - t0)
 
 
