@@ -46,7 +46,7 @@ from agent.loop import Agent, encoder_calls
 from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
 from cache.keys import digest_key
 from demos.report import render_run
-from demos.video_qa import TINY, UsageError, load_vl_adapter
+from demos.vl_model import TINY, UsageError, load_vl_adapter
 
 SYSTEM_PROMPT = (
     "You operate a web browser to complete a task. Each turn shows a screenshot of the page. "

@@ -53,7 +53,7 @@ def test_times_and_schedule() -> None:
 
 
 def test_pixel_bounds_of_the_model() -> None:
-    from demos.video_qa import load_vl_adapter
+    from demos.vl_model import load_vl_adapter
 
     adapter = load_vl_adapter("tiny")
     assert adapter.pixel_bounds() == (56 * 56, 224 * 224)  # type: ignore[attr-defined]
