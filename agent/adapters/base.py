@@ -20,6 +20,7 @@ import torch
 from cache.arena import KVArena
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec
+from cache.window import ArenaDims
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ class ModelAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @property
+    def arena_dims(self) -> ArenaDims:
+        """The shapes of this model's KV in a window's arena (ChunkKV layout)."""
+        i = self.info
+        return ArenaDims(i.n_layers, (i.kv_heads, i.head_dim), (i.kv_heads, i.head_dim), i.dtype, self.device)
 
     @abstractmethod
     def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
