@@ -1,4 +1,7 @@
-"""``kamera bench NAME``: each benchmark is a module with ``main(argv) -> int``; JSON out with --json."""
+"""``kamera bench NAME``: benchmarks (relocation, fidelity, ttft, traces, consistency, replicas, ...).
+
+Each benchmark is a module with ``main(argv) -> int``; JSON out with --json.
+"""
 
 from __future__ import annotations
 

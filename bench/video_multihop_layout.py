@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ChunkInput, TextInput
-from demos.world import Episode
+from tools.world.render import Episode
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
