@@ -9,7 +9,8 @@ conversations as concurrent agents would send them, rendered as chat messages th
 - ``one``: one server, one directory, every request;
 - ``shared``: two servers on one ``--disk-path``, requests split between them (``--route
   conversation``: conversation c always to server c % 2, as a sticky load balancer does;
-  ``request``: request j to server j % 2, as a stateless one does);
+  ``request``: each turn of a conversation to the other server than its turn before, server
+  (c + turn) % 2, the worst case of a stateless one);
 - ``separate``: the same split over two servers on directories of their own.
 
 Every request waits for the previous one's answer, and (unless ``--no-settle``) for the server
@@ -209,8 +210,7 @@ def schedule(conversations: Sequence[Conversation], n_servers: int, route: str) 
     for step in range(max((len(c.requests) for c in conversations), default=0)):
         for c, conv in enumerate(conversations):
             if step < len(conv.requests):
-                j = len(turns)
-                server = (c if route == "conversation" else j) % n_servers
+                server = (c if route == "conversation" else c + step) % n_servers
                 turns.append(Turn(server, c, step, conv.requests[step]))
     return turns
 
