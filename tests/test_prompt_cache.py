@@ -293,3 +293,24 @@ def test_decode_stops_when_cancelled(llama: Any) -> None:
 def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="rope_kernel"):
         PromptCacheConfig(rope_kernel="fastest")
+
+
+def test_a_long_conversation_stays_bit_identical_turn_after_turn(llama: Any) -> None:
+    """Each turn's exact prefix includes segments prefilled on top of earlier reuse, and tokens
+    that a shorter prompt computed in its partial last segment (other bits): never taken."""
+    pc = make_cache(llama)
+    messages = [Message("system", (f"Sys\n{DOC}",))]
+    before = 0  # the last prompt's tokens
+    for turn in range(4):
+        messages = [*messages, Message("user", (f"question {turn} " + "word " * 40,))]
+        prompt = prompt_of(pc, messages)
+        warm, fresh = pc.prepare(prompt, mode="exact"), pc.prepare(prompt, f"reference {turn}", mode="exact")
+        block = pc.config.block_tokens
+        assert warm.usage.prefix_tokens == before // block * block  # all whole segments seen before
+        assert torch.equal(warm.logits, fresh.logits)
+        for (k1, v1), (k2, v2) in zip(layer_kv(warm.cache), layer_kv(fresh.cache), strict=True):
+            assert torch.equal(k1, k2)
+            assert torch.equal(v1, v2)
+        pc.commit(warm)
+        before = prompt.n_tokens
+        messages = [*messages, Message("assistant", (f"answer {turn} " + "ok " * 30,))]

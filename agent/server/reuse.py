@@ -1,11 +1,14 @@
 """What a prompt reuses, found in the store: the plan as steps of reused KV and misses.
 
-The exact prefix comes first: the radix tree's segments, cut back to a segment edge, then carried
-on by the store keys of the segments after it (which the store may hold from before a restart or
-from another process). Then, unless the mode is ``exact``, each later chunk found by content: in
-the content index (moved, or after other antecedents) or, not indexed here, by its content alias
-(another process's work). Every entry is read through ``cache.records`` with the fingerprint of
-the units it must hold: a misfiled or damaged entry is a miss.
+The exact prefix comes first, found segment by segment by its store keys (a key names a
+segment's bounds, its content and its whole context, so the entry under it is the KV this
+prompt's own prefill would compute there, bit for bit; the store may hold it from this process,
+from before a restart or from another process). KV of the same tokens computed as part of
+another segment (the partial last segment of a shorter prompt) has other bits and is never taken
+as exact. Then, unless the mode is ``exact``, each later chunk found by content: in the content
+index (moved, or after other antecedents) or, not indexed here, by its content alias (another
+process's work). Every entry is read through ``cache.records`` with the fingerprint of the units
+it must hold: a misfiled or damaged entry is a miss.
 
 Reused KV comes as *parts* laid end to end, each in the frame it was stored in: the window
 (``cache.window``) places them, copying bit for bit or moving by ``R(δ)``.
@@ -13,7 +16,7 @@ Reused KV comes as *parts* laid end to end, each in the frame it was stored in: 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,11 +25,8 @@ from agent.server.prompt import (
     PromptKeys,
     Record,
     TableRow,
-    clip,
     cut_back,
     fits,
-    offsets,
-    units_of,
 )
 from cache import records
 from cache.layout import ChunkKV
@@ -51,20 +51,14 @@ class Finder:
         self.store, self.min_reuse_tokens = store, min_reuse_tokens
 
     def steps(self, prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> tuple[list[Step], int]:
-        """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
-        (and carried on by the keys of the segments after it, which the store may hold from
-        before a restart or from another process), then what ``mode`` reuses by content;
-        misses merged; the last unit always a miss."""
+        """The plan as steps, reused KV fetched: the exact prefix by its segments' keys, then
+        what ``mode`` reuses by content; misses merged; the last unit always a miss. Also the
+        count of planned reuse whose entries were gone."""
         n_units, cuts = len(prompt.units), ctx.cuts
-        segments = [(at, seg) for at, seg in offsets(plan.prefix) if isinstance(seg.payload, Record)]
-        limit = min(plan.prefix_len, n_units - 1)
-        found_parts, refs, got = self.fetch_prefix(segments, 0, limit)
-        edge = cut_back(cuts, got)
-        lost = int(got < limit and cut_back(cuts, limit) > edge)
-        parts = _cut(found_parts, int(prompt.tok_off[edge]), int(prompt.pos_off[edge])) if edge else []
-        rows = list(clip(refs, edge)) if parts else []
-        edge = edge if parts else 0
-        for a, b in ctx.segments(edge, n_units - 1):
+        parts: list[ChunkKV] = []
+        rows: list[TableRow] = []
+        edge = 0
+        for a, b in ctx.segments(0, n_units - 1):
             if b != cut_back(cuts, b):  # the segment ending before the last unit is not whole
                 break
             key = ctx.store_key(a, b, exact=True)
@@ -75,6 +69,8 @@ class Finder:
             parts.append(found)
             rows.append(TableRow(a, b, key, 0, 0, tokens))
             edge = b
+        # the radix tree knew a longer exact prefix than the store still holds
+        lost = int(cut_back(cuts, min(plan.prefix_len, n_units - 1)) > edge)
         steps: list[Step] = []
         if edge > 0:
             steps.append(Step(0, edge, tuple(parts), tuple(rows), 0, True))
@@ -108,38 +104,12 @@ class Finder:
                 steps.append(Step(e, c.end, (), (), 0, False))
         return _merge_misses(steps), lost
 
-    def fetch_prefix(
-        self, segments: list[tuple[int, Any]], a: int, b: int
-    ) -> tuple[list[ChunkKV], list[TableRow], int]:
-        """KV of units [a, b) from the radix segments, as far as the store still has it: parts
-        laid end to end, their rows, and the unit they reach."""
-        parts: list[ChunkKV] = []
-        refs: list[TableRow] = []
-        got = a
-        for at, seg in segments:
-            lo, hi = max(a, at), min(b, at + seg.length)
-            if lo >= hi:
-                continue
-            if lo != got:
-                break
-            rec = seg.payload
-            src = seg.offset + lo - at
-            part = self.fetch(rec, src, seg.offset + hi - at, at - seg.offset, True)
-            if part is None:
-                break
-            parts.extend(part[0])
-            refs.extend(part[1])
-            got = lo + units_of(part[1])
-            if got < hi:
-                break
-        return parts, refs, got
-
     def fetch(
-        self, rec: Record, a: int, b: int, shift: int, partial: bool = False
+        self, rec: Record, a: int, b: int, shift: int
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
         """KV of units [a, b) of ``rec`` as parts laid end to end (each in the frame it was
         stored in: the window places them), and its rows moved by ``shift`` units; None if any
-        entry is gone (``partial``: what is there from ``a`` on, None if nothing)."""
+        entry is gone."""
         parts: list[ChunkKV] = []
         refs: list[TableRow] = []
         for row in rec.table:
@@ -150,20 +120,18 @@ class Finder:
             t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
             t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
             if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
-                if partial and parts:
-                    break
                 return None
             p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
             parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
             refs.append(TableRow(lo + shift, hi + shift, row.key, t0, p0, row.tokens))
-        if not parts or (not partial and refs[-1].end - shift != b) or refs[0].start - shift != a:
+        if not parts or refs[-1].end - shift != b or refs[0].start - shift != a:
             return None
         return parts, tuple(refs)
 
     def prefetch(self, prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> frozenset[str]:
         """Two round trips to the store's shared tier (Redis), for what this prompt may reuse and
-        no local tier holds: the keys of its exact prefix's segments and of the rows its radix
-        and content hits point at, the aliases of its misses, then the rows those aliases point
+        no local tier holds: the keys of its exact prefix's segments and of the rows its content
+        hits point at, the aliases of its misses, then the rows those aliases point
         at. Returns the keys brought in (another replica's work)."""
         if getattr(self.store, "shared", None) is None:
             return frozenset()
@@ -173,13 +141,6 @@ class Finder:
             for a, b in ctx.segments(0, n_units - 1)
             if b == cut_back(ctx.cuts, b)
         ]
-        for _, seg in offsets(plan.prefix):
-            if isinstance(seg.payload, Record):
-                keys += [
-                    r.key
-                    for r in seg.payload.table
-                    if r.end > seg.offset and r.start < seg.offset + seg.length
-                ]
         aliases = []
         for c in plan.chunks:
             if mode == "exact":
@@ -217,21 +178,6 @@ class Finder:
         if len(tok) != b - a + 1 or len(pos) != b - a + 1:
             return None
         return Record(table, tok, pos, 0)
-
-
-def _cut(parts: list[ChunkKV], n_tokens: int, extent: int) -> list[ChunkKV]:
-    """The first ``n_tokens`` tokens (``extent`` positions) of ``parts`` laid end to end."""
-    out: list[ChunkKV] = []
-    tokens = ext = 0
-    for kv in parts:
-        if tokens + kv.n_tokens <= n_tokens:
-            out.append(kv)
-            tokens, ext = tokens + kv.n_tokens, ext + kv.extent
-            continue
-        if tokens < n_tokens:
-            out.append(kv.sliced(0, n_tokens - tokens, 0, extent - ext))
-        break
-    return out
 
 
 def _merge_misses(steps: list[Step]) -> list[Step]:
