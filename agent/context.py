@@ -426,7 +426,7 @@ class ContextManager:
         deltas: list[list[Delta]] = [[] for _ in slots]
         canon = [self._canonical(s.chunk_id, s.input, recompute=s.finalized) for s in slots]
         for ordering in sample_orderings(len(slots), self.config.orbit_orderings, seed=len(slots)):
-            cache = self.adapter.assemble([self._slots[0].kv.place(0, self.adapter.spec)])
+            cache = self.adapter.new_cache([self._slots[0].kv.place(0, self.adapter.spec)])
             start = self._slots[0].kv.extent
             for i in ordering:
                 out = self.adapter.prefill(slots[i].input, cache, start)
@@ -477,7 +477,7 @@ class ContextManager:
             self._rebuild()
         assert self._arena is not None
         self._arena.reset(self._used)
-        self._cache = self.adapter.cache_on(self._arena)
+        self._cache = self.adapter.new_cache(self._arena)
         self.counters.assemblies += 1
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
@@ -116,10 +117,6 @@ class StepResult:
         }
 
 
-def encoder_calls(adapter: ModelAdapter) -> int:
-    return int(getattr(adapter, "vision_encoder_calls", 0))
-
-
 class Agent:
     """One agent session: a window on a model and a store, stepped by observations."""
 
@@ -159,9 +156,9 @@ class Agent:
         """An observation as window chunks with their metadata."""
         if isinstance(obs, TextObservation):
             return [(self._text(self.chat.user_text(obs.text)), {"kind": "text"})]
-        image_of: Callable[[Image.Image], ChunkInput] | None = getattr(self.adapter, "image", None)
-        if image_of is None:
+        if not isinstance(self.adapter, VisionAdapter):
             raise TypeError(f"{self.adapter.info.name} takes no images")
+        image_of = self.adapter.image
         out: list[tuple[ChunkInput, dict[str, Any]]] = []
         if isinstance(obs, ImageObservation):
             if obs.label:

@@ -203,7 +203,7 @@ def run_tail(
     """On the context KV ``[L, H, N, D]``: logits ``[Q + A, vocab]`` of the tail and the
     teacher-forced answer ``forced`` (A tokens), and the greedy answer (at most ``max_new``)."""
     n, q = k.shape[2], int(prompt.tail.numel())
-    cache = adapter.assemble([(k, v)])
+    cache = adapter.new_cache([(k, v)])
     logits = adapter.prefill(adapter.text(prompt.tail), cache, n).logits
     parts = [logits]
     if forced:
@@ -234,7 +234,7 @@ def _canonicals(
     p = int(prompt.prefix.numel())
     out = []
     for c in prompt.chunks:
-        kv = adapter.prefill(adapter.text(c), adapter.assemble([prefix_cache_kv]), p).kv
+        kv = adapter.prefill(adapter.text(c), adapter.new_cache([prefix_cache_kv]), p).kv
         out.append(kv)
     return out
 
@@ -570,10 +570,6 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def load_model(name: str | None) -> ModelAdapter:
     """``tiny:<family>`` for a random-weight model, otherwise :func:`load_adapter`'s names."""
-    if name and name.startswith("tiny:"):
-        from agent.adapters.tiny import tiny_adapter
-
-        return tiny_adapter(name.removeprefix("tiny:"))
     from agent.adapters.loading import load_adapter
 
     return load_adapter(name)

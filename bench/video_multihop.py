@@ -43,7 +43,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, TextInput
 from agent.adapters.qwen_vl import QwenVLAdapter
-from agent.recompute import DeviationSelection, FixedSelection, first_tokens
+from agent.recompute import DeviationSelection, FixedSelection, first_tokens, selective_recompute
 from bench.fidelity import Codec
 from bench.video_multihop_layout import (
     PREFIX,
@@ -57,7 +57,6 @@ from bench.video_multihop_layout import (
     processor_ids,
     text_encoder,
 )
-from bench.video_multihop_recompute import recompute_mrope
 from cache.layout import ChunkKV
 from cache.patch import PatchConfig, apply_and_place, fit_delta
 from cache.rank import rank_strategy
@@ -171,16 +170,7 @@ class Store:
 
     def embeds(self, chunks: Sequence[ChunkInput]) -> torch.Tensor:
         """Input embeddings ``[N, hidden]``: vision features from the feature cache at image pads."""
-        table = self.adapter.model.get_input_embeddings()
-        out = []
-        for chunk in chunks:
-            with torch.inference_mode():
-                e = table(chunk.ids.to(self.adapter.device))
-            if isinstance(chunk, ImageInput):
-                e = e.clone()
-                e[chunk.ids.to(e.device) == self.adapter.image_token_id] = self.adapter.image_features(chunk)
-            out.append(e)
-        return torch.cat(out)
+        return torch.cat([self.adapter.embed(chunk) for chunk in chunks])
 
 
 class Built(NamedTuple):
@@ -254,7 +244,7 @@ def build_methods(
     for name, selection in selections.items():
         t0 = time.perf_counter()
         embeds = store.embeds([prefix, *[p.chunk for p in case.target]])
-        rec = recompute_mrope(adapter, embeds, place.positions, *blind, selection)
+        rec = selective_recompute(adapter, embeds, place.positions, *blind, selection)
         seconds = out["blind"].seconds + time.perf_counter() - t0
         out[name] = Built(rec.k, rec.v, seconds, recompute=rec.selected.numel() / max(1, candidates.numel()))
     return out
@@ -275,7 +265,7 @@ def ask(
 ) -> Answer:
     """Prefill the question on the method's context and decode greedily; the cache takes the
     context buffers over without writing them."""
-    cache = adapter.cache_from(built.k, built.v)
+    cache = adapter.new_cache([(built.k, built.v)])
     t0 = time.perf_counter()
     logits = adapter.prefill(tail, cache, start).logits[-1]
     int(logits.argmax())
@@ -288,17 +278,8 @@ def direct_ttft(adapter: QwenVLAdapter, chunks: Sequence[ChunkInput]) -> float:
     """Seconds to the first token of one plain HF forward over the whole prompt, vision encoder
     included: re-prefill's time to first token (its answers come from the chunked pass, which
     the tests hold equal to this forward)."""
-    ids = torch.cat([c.ids for c in chunks])[None].to(adapter.device)
-    images = [c for c in chunks if isinstance(c, ImageInput)]
-    pixels = torch.cat([c.pixel_values for c in images]).to(adapter.device)
-    grid = torch.tensor([c.grid_thw for c in images], device=adapter.device)
-    types = (ids == adapter.image_token_id).int()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = adapter.model(
-            input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types, logits_to_keep=1
-        )
-        int(out.logits[0, -1].argmax())
+    int(adapter.reference_logits(chunks, last_only=True)[-1].argmax())
     return time.perf_counter() - t0
 
 
@@ -403,7 +384,7 @@ def aggregate(records: Sequence[Record], calls: dict[str, int], questions: int) 
 
 def fresh_adapter(adapter: QwenVLAdapter, vision_cache_size: int) -> QwenVLAdapter:
     """Another adapter on the same weights with its own vision feature cache and counter."""
-    return QwenVLAdapter(adapter.model, adapter.processor, adapter.info.name, vision_cache_size)
+    return adapter.fresh(vision_cache_size)
 
 
 def frame_encoder(adapter: QwenVLAdapter) -> Callable[[Episode, int], ChunkInput]:
@@ -513,14 +494,9 @@ def load_model(name: str | None) -> QwenVLAdapter:
 
     if name is None:
         name = str(WORLD_VL_DIR) if (WORLD_VL_DIR / "config.json").is_file() else "tiny"
-    if name in ("tiny", "tiny:qwen2.5-vl"):
-        from agent.adapters.tiny import tiny_adapter
+    from agent.adapters.loading import load_adapter
 
-        adapter = tiny_adapter("qwen2.5-vl")
-    else:
-        from agent.adapters.loading import load_adapter
-
-        adapter = load_adapter(name)
+    adapter = load_adapter(name)
     if not isinstance(adapter, QwenVLAdapter):
         raise ValueError(f"{name!r} is not a Qwen2.5-VL model")
     return adapter
@@ -529,9 +505,8 @@ def load_model(name: str | None) -> QwenVLAdapter:
 def world_config(adapter: QwenVLAdapter) -> WorldConfig:
     """The world's frame size as the model's image processor keeps it (a checkpoint trained on
     the world pins ``min_pixels = max_pixels = size²``); the default world otherwise."""
-    ip = adapter.image_processor
-    lo, hi = getattr(ip, "min_pixels", None), getattr(ip, "max_pixels", None)
-    if lo is not None and lo == hi:
+    lo, hi = adapter.pixel_bounds()
+    if lo == hi:
         side = math.isqrt(int(lo))
         if side * side == lo and side >= 56 and side % 28 == 0:
             return WorldConfig(size=side)
@@ -541,7 +516,7 @@ def world_config(adapter: QwenVLAdapter) -> WorldConfig:
 def layout_check(adapter: QwenVLAdapter, episode: Episode) -> bool | None:
     """Whether the chunked plain prompt has the processor's own token ids (None: no template)."""
     q = episode.questions[0]
-    want = processor_ids(adapter.processor, episode, q.text)
+    want = processor_ids(adapter, episode, q.text)
     if want is None:
         return None
     codec = Codec(adapter.tokenizer)

@@ -36,6 +36,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
 from agent.models import WORLD_VL_DIR
@@ -87,27 +88,18 @@ def default_model_dir() -> Path:
 
 def load_vl_adapter(model: str | None) -> ModelAdapter:
     """A vision-language adapter: a checkpoint folder, the default world model, or ``tiny``."""
-    if model == TINY:
-        from agent.adapters.tiny import tiny_adapter
-
-        adapter = tiny_adapter("qwen2.5-vl")
-        adapter.tokenizer = ByteTokenizer()
-        return adapter
-    adapter = load_adapter(str(default_model_dir() if model is None else model))
-    if not hasattr(adapter, "image"):
+    spec = model if model == TINY else str(default_model_dir() if model is None else model)
+    adapter = load_adapter(spec, tokenizer=ByteTokenizer())
+    if not isinstance(adapter, VisionAdapter):
         raise UnsupportedModelError(f"{adapter.info.name} ({adapter.info.architecture}) takes no images")
     return adapter
 
 
 def fresh_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """The same weights behind a new adapter: an empty vision feature cache, its own counters."""
-    from agent.adapters.qwen_vl import QwenVLAdapter
-
-    if not isinstance(adapter, QwenVLAdapter):
+    if not isinstance(adapter, VisionAdapter):
         raise TypeError(f"no fresh copy for {type(adapter).__name__}")
-    copy = QwenVLAdapter(adapter.model, adapter.processor, adapter.info.name)
-    copy.tokenizer = adapter.tokenizer
-    return copy
+    return adapter.fresh()
 
 
 def encode_text(adapter: ModelAdapter, text: str) -> TextInput:
@@ -255,7 +247,7 @@ class VideoSession:
             return None
         ids = encode_text(self.adapter, question).ids.to(self.adapter.device)
         with torch.inference_mode():
-            emb = self.adapter.model.get_input_embeddings()(ids)  # type: ignore[attr-defined]
+            emb = self.adapter.embed_ids(ids)
         return emb.float().mean(0).cpu()
 
     def answer(self, q: Asked, now: float) -> None:
@@ -351,7 +343,7 @@ class VideoSession:
             chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
             _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
             answers.append(answer.strip())
-            calls += int(getattr(fresh, "vision_encoder_calls", 0))
+            calls += encoder_calls(fresh)
         return {
             "reencode_total_s": time.perf_counter() - t0,
             "reencode_vision_encoder_calls": calls,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from bench.fidelity import (
     Codec,
     FidelityConfig,
@@ -33,7 +33,7 @@ ITEM = QAItem(
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def test_reference_equals_direct_prefill(llama: ModelAdapter) -> None:

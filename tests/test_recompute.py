@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from agent.recompute import DeviationSelection, FixedSelection, first_tokens, selective_recompute
 from tests._util import max_rel
 
@@ -15,7 +15,7 @@ PREFIX, CHUNK = 6, 14
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def _setup(
@@ -96,6 +96,6 @@ def test_rejects_bad_input(llama: ModelAdapter) -> None:
         selective_recompute(
             llama, ids[:-1], torch.arange(ids.numel() - 1), k, v, FixedSelection(torch.arange(2))
         )
-    mla = tiny_adapter("deepseek-mla")
+    mla = load_adapter("tiny:deepseek-mla")
     with pytest.raises(TypeError, match="GQA"):
         selective_recompute(mla, ids, torch.arange(ids.numel()), k, v, FixedSelection(torch.arange(2)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from bench.ttft import PrefixCache, main, reprefill
 
 
@@ -42,7 +42,7 @@ def test_ttft_bench_writes_every_step_and_the_summary(tmp_path: Path) -> None:
 
 
 def test_prefix_cache_reuses_the_longest_unchanged_leading_run() -> None:
-    adapter = tiny_adapter("llama-gqa")
+    adapter = load_adapter("tiny:llama-gqa")
     prefix, q = adapter.text(torch.arange(2, 8)), adapter.text(torch.arange(40, 44))
     chunks = [adapter.text(torch.arange(100 + 10 * i, 108 + 10 * i)) for i in range(4)]
     ids = [f"c{i}" for i in range(4)]

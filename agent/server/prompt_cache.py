@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.index import ContentIndex, RadixTree
 from cache.keys import ContentKey, Namespace, chain_key, span_key, token_bytes
@@ -149,10 +150,9 @@ def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece], image_unit: Cal
             n_tok.extend([1] * len(piece.ids))
             ext.extend([1] * len(piece.ids))
         elif isinstance(piece, ImagePiece):
-            image_of = getattr(adapter, "image", None)
-            if image_of is None:
+            if not isinstance(adapter, VisionAdapter):
                 raise NoImagesError(f"model {adapter.info.name} takes no image or video input")
-            inp = image_of(piece.image)
+            inp = adapter.image(piece.image)
             inputs.append(inp)
             units.append(image_unit(inp.content_key))
             n_tok.append(inp.n_tokens)
@@ -301,9 +301,7 @@ class PromptCache:
         self.radix = RadixTree(self.config.planner.eviction)
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners: OrderedDict[str, Planner] = OrderedDict()
-        vocab = getattr(getattr(adapter, "model", None), "get_input_embeddings", lambda: None)()
-        size = int(getattr(vocab, "num_embeddings", 1 << 20))
-        self._image_base = 1 << max(16, size.bit_length())
+        self._image_base = 1 << max(16, adapter.vocab_size.bit_length())
         self._image_ids: dict[str, int] = {}
 
     def image_unit(self, content_key: str) -> int:
@@ -347,7 +345,7 @@ class PromptCache:
             raise ValueError("empty prompt")
         mode = check_mode(mode or self.config.mode)
         planner = self.planner(tenant_salt)
-        encoder_before = int(getattr(self.adapter, "vision_encoder_calls", 0))
+        encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         cuts = prompt.cuts(self.config.block_tokens)
         ctx = _Context(prompt, planner.namespace, cuts)
@@ -402,7 +400,7 @@ class PromptCache:
             prefilled_tokens=counts["prefilled"],
             rotated_tokens=counts["rotated"],
             lost_entries=lost,
-            vision_encoder_calls=int(getattr(self.adapter, "vision_encoder_calls", 0)) - encoder_before,
+            vision_encoder_calls=encoder_calls(self.adapter) - encoder_before,
             mode=mode,
             repaired_tokens=counts["repaired"],
             shared_tokens=counts["shared"],
@@ -417,7 +415,7 @@ class PromptCache:
             return cache if cache is not None else self.adapter.empty_cache()
         k, v = place_window(pending, self.adapter.spec, self.config.rope_kernel)
         if cache is None:
-            return self.adapter.cache_from(k, v)
+            return self.adapter.new_cache([(k, v)])
         self.adapter.append_placed(cache, k, v)
         return cache
 
@@ -425,10 +423,10 @@ class PromptCache:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
         Returns the tokens recomputed; 0 where the adapter cannot (images, MLA)."""
-        from agent.recompute import DeviationSelection
+        from agent.recompute import DeviationSelection, recompute_into
 
         ratio = self.config.repair_ratio
-        if ratio <= 0 or not getattr(self.adapter, "supports_recompute", False):
+        if ratio <= 0 or not self.adapter.supports_recompute:
             return 0
         if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
             return 0
@@ -438,7 +436,7 @@ class PromptCache:
             [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
         )
         positions = torch.arange(n, dtype=torch.int64)
-        return self.adapter.recompute_into(cache, ids, positions, DeviationSelection(ratio, candidates))
+        return recompute_into(self.adapter, cache, ids, positions, DeviationSelection(ratio, candidates))
 
     def _steps(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> tuple[list[_Step], int]:
         """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
