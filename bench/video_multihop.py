@@ -128,9 +128,9 @@ def context_pass(adapter: QwenVLAdapter, prefix: TextInput, pieces: Sequence[Pie
         conditioned[piece.name] = kv
         pos += kv.extent
     seconds = time.perf_counter() - t0
-    layers = out.cache.layers[: adapter.info.n_layers]
-    k = torch.stack([lay.keys[0] for lay in layers])
-    v = torch.stack([lay.values[0] for lay in layers])
+    layers = [adapter.layer_kv(out.cache, i) for i in range(adapter.info.n_layers)]
+    k = torch.stack([lk for lk, _ in layers])
+    v = torch.stack([lv for _, lv in layers])
     return ContextPass(k, v, conditioned, seconds, adapter.vision_encoder_calls - calls)
 
 

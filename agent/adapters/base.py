@@ -74,6 +74,10 @@ class ModelCache(Protocol):
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens; a negative one drops the last ``-max_length``."""
+        ...
+
 
 class Prefill(NamedTuple):
     """What :meth:`ModelAdapter.prefill` returns.
@@ -273,7 +277,7 @@ class ModelAdapter(ABC):
 
     def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer`` of ``cache`` as ``(k, v)`` views ``[H, N, D]`` in the ChunkKV layout
-        (post-RoPE): writing into them writes the cache."""
+        (post-RoPE; MLA: ``k_rope`` and the latent): writing into them writes the cache."""
         raise TypeError(f"{self.info.architecture}: no per-layer access to its cache")
 
     def run_layers(

@@ -373,10 +373,8 @@ class DecoderAdapter(ModelAdapter):
         return self.family == "gqa"
 
     def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.family != "gqa":
-            raise TypeError(f"{self.info.architecture}: selective recompute runs on GQA/MHA decoders only")
         target = _layers(cache)[layer]
-        return target.keys[0], target.values[0]
+        return self._to_slots(target.keys[0], target.values[0])  # the swap is its own inverse
 
     @torch.inference_mode()
     def run_layers(

@@ -74,9 +74,6 @@ class Qwen3VLAdapter(QwenVLAdapter):
         stacks = [torch.cat([f.deepstack[i] for f in feats]) for i in range(depth)]
         return {"visual_pos_masks": mask[None], "deepstack_visual_embeds": stacks}
 
-    def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise TypeError("Qwen3-VL: selective recompute cannot carry DeepStack features into image rows")
-
     def run_layers(
         self,
         hidden: torch.Tensor,
@@ -155,5 +152,6 @@ def tiny_qwen3_vl(dtype: torch.dtype = torch.float32) -> Qwen3VLAdapter:
     """A random-weight Qwen3-VL (the caller seeds torch) wrapped in its adapter."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    model = Qwen3VLForConditionalGeneration(qwen3_vl_config()).to(dtype).eval()
+    model: Any = Qwen3VLForConditionalGeneration(qwen3_vl_config())
+    model = model.to(dtype).eval()
     return Qwen3VLAdapter(model, tiny_processor(), name="tiny-qwen3-vl")

@@ -146,7 +146,8 @@ def _qwen2_5_vl(dtype: torch.dtype) -> ModelAdapter:
 
     from agent.adapters.qwen_vl import QwenVLAdapter, tiny_processor
 
-    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config()).to(dtype).eval()
+    model: Any = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config())
+    model = model.to(dtype).eval()
     return QwenVLAdapter(model, tiny_processor(), name="tiny-qwen2.5-vl")
 
 
