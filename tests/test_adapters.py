@@ -236,3 +236,29 @@ def test_grouped_query_attention_without_copies_matches_sdpa(name: str) -> None:
         adapter.prefill(context, cache, 0)
         out[impl] = adapter.prefill(query, cache, 37).logits
     torch.testing.assert_close(out["kamera_sdpa"], out["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapter_names_the_tiny_models() -> None:
+    plain = load_adapter("tiny")
+    assert isinstance(plain, VisionAdapter)
+    assert plain.info.name == "tiny-qwen2.5-vl"
+    assert plain.tokenizer is None
+    marker = object()
+    text = load_adapter("tiny:llama-gqa", tokenizer=marker)
+    assert text.tokenizer is marker
+    assert text.info.fingerprint == load_adapter("tiny:llama-gqa").info.fingerprint  # seeded weights
+    assert load_adapter("tiny:llama-gqa") is not text  # a new model each call
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        load_adapter("tiny:bert")
+
+
+def test_new_cache_takes_one_pair_over_and_joins_several() -> None:
+    adapter = load_adapter("tiny:llama-gqa")
+    k, v = adapter.encode(adapter.text(torch.arange(3, 20))).place(0, adapter.spec)
+    one = adapter.new_cache([(k, v)])
+    assert adapter.layer_kv(one, 0)[0].data_ptr() == k[0].data_ptr()  # no copy
+    two = adapter.new_cache([(k[:, :, :5], v[:, :, :5]), (k[:, :, 5:], v[:, :, 5:])])
+    assert adapter.cache_length(two) == adapter.cache_length(one) == 17
+    assert torch.equal(adapter.layer_kv(two, 2)[0], k[2])
+    with pytest.raises(ValueError, match="layers"):
+        adapter.new_cache([(k[:2], v[:2])])
