@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
 
 from agent.adapters import attention
 from agent.adapters.base import (
@@ -32,6 +31,7 @@ from agent.adapters.base import (
     Prefill,
     TextInput,
 )
+from agent.adapters.cache_layers import ArenaLayer, RowWriter, hf_layers
 from cache.arena import KVArena
 from cache.keys import Namespace, image_key, token_key
 from cache.layout import ChunkKV, Family
@@ -65,50 +65,6 @@ def model_fingerprint(model: PreTrainedModel, name: str) -> str:
             h.update(pname.encode())
             h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     return h.hexdigest()
-
-
-class ArenaLayer(DynamicLayer):
-    """One layer of a model cache whose tokens live in a :class:`KVArena`: the cached keys and
-    values are views of the arena's used tokens, and new ones are written into its spare room.
-
-    ``swap``: the model's key slot holds ChunkKV's ``v`` (MLA: the latent), its value slot ``k``.
-    """
-
-    def __init__(self, arena: KVArena, index: int, swap: bool) -> None:
-        super().__init__()
-        self.arena, self.index, self.swap = arena, index, swap
-        self.generation = arena.generation
-        self.device = arena.k.device
-        self.is_initialized = True
-        self._show()
-
-    def _show(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.arena.views(self.index)
-        self.keys, self.values = shown = (v, k) if self.swap else (k, v)
-        return shown
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = (value_states, key_states) if self.swap else (key_states, value_states)
-        if k.shape[0] != 1:
-            raise ValueError(f"a window cache holds one sequence, got a batch of {k.shape[0]}")
-        self.arena.append(self.index, k[0], v[0], self.generation)
-        return self._show()
-
-    def get_seq_length(self) -> int:
-        return self.arena.lengths[self.index]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        n = self.arena.lengths[self.index]
-        self.arena.lengths[self.index] = max(0, n + tokens_to_remove)
-        self._show()
 
 
 class DecoderAdapter(ModelAdapter):
@@ -205,7 +161,7 @@ class DecoderAdapter(ModelAdapter):
     def append_placed(self, cache: ModelCache, k: torch.Tensor, v: torch.Tensor) -> None:
         for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
             key, value = self._to_slots(kl[None], vl[None])
-            _layers(cache)[layer].update(key, value)
+            hf_layers(cache)[layer].update(key, value)
 
     def kv_tail(self, cache: ModelCache, chunk: ChunkInput, start: int) -> ChunkKV:
         """The KV of ``chunk``, the last tokens in ``cache``, placed at ``start`` (pre-RoPE)."""
@@ -248,7 +204,7 @@ class DecoderAdapter(ModelAdapter):
         """The KV of the ``n_new`` tokens that precede the cache's last ``after`` tokens; keys
         un-rotated, or kept as rotated when ``placed_at`` (their start) is given."""
         keys, values = [], []
-        for layer in _layers(cache)[: self.info.n_layers]:
+        for layer in hf_layers(cache)[: self.info.n_layers]:
             end = layer.keys.shape[2] - after
             key, value = layer.keys[0, :, end - n_new : end], layer.values[0, :, end - n_new : end]
             k, v = self._to_slots(key, value)  # the swap is its own inverse
@@ -373,7 +329,7 @@ class DecoderAdapter(ModelAdapter):
         return self.family == "gqa"
 
     def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        target = _layers(cache)[layer]
+        target = hf_layers(cache)[layer]
         return self._to_slots(target.keys[0], target.values[0])  # the swap is its own inverse
 
     @torch.inference_mode()
@@ -386,7 +342,7 @@ class DecoderAdapter(ModelAdapter):
         layers: range,
     ) -> LayerRun:
         """The model's own decoder layers on the rows, with an additive mask over sequence
-        indices and a stand-in cache (:class:`_RowWriter`) that writes the rows' fresh K/V into
+        indices and a stand-in cache (:class:`RowWriter`) that writes the rows' fresh K/V into
         the cache's layer tensors. Needs layers that take ``(hidden, attention_mask=,
         position_embeddings=, cache=)`` and call ``cache.update(k, v, layer_idx)`` with post-RoPE
         ``[1, H_kv, rows, D]`` keys (Llama, Qwen2, Qwen3, Mistral, Qwen2.5-VL's text model)."""
@@ -403,9 +359,9 @@ class DecoderAdapter(ModelAdapter):
         mask.masked_fill_(~allowed, torch.finfo(x.dtype).min)
         pos = self._position_ids(positions)
         rotary = self.base.rotary_emb(x, position_ids=pos)
-        writer = _RowWriter(rows)
+        writer = RowWriter(rows)
         for index in layers:
-            writer.target = _layers(cache)[index]
+            writer.target = hf_layers(cache)[index]
             x = self.base.layers[index](
                 x,
                 attention_mask=mask[None, None],
@@ -415,33 +371,3 @@ class DecoderAdapter(ModelAdapter):
                 use_cache=True,
             )
         return LayerRun(x[0], *writer.fresh)
-
-
-class _RowWriter:
-    """Stands in for the model cache inside one decoder layer of :meth:`DecoderAdapter.run_layers`.
-
-    ``update(k, v, layer)`` writes the rows' fresh post-RoPE K/V (``[1, H, R, D]``) into
-    ``target``'s tensors at ``rows``, in place, and returns the whole layer, so the rows attend
-    to the cached KV everywhere else; ``fresh`` keeps the last K/V it received (``[H, R, D]``).
-    """
-
-    def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
-        self.target: Any = None
-        self.fresh: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.target.keys, self.target.values
-        keys[0].index_copy_(1, self.rows, key_states[0].to(keys.dtype))
-        values[0].index_copy_(1, self.rows, value_states[0].to(values.dtype))
-        self.fresh = (key_states[0], value_states[0])
-        return keys, values
-
-
-def _layers(cache: ModelCache) -> list[Any]:
-    """The per-layer (keys, values) holders of a transformers cache."""
-    if not isinstance(cache, Cache):
-        raise TypeError(f"not a model cache of this adapter: {type(cache).__name__}")
-    return cache.layers
