@@ -25,143 +25,32 @@ Not here: turning observations into chunks and generating answers (``agent/loop.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
-from cache.arena import KVArena
+from agent.context_types import (
+    ChunkView,
+    Counters,
+    Ensured,
+    Evicted,
+    RecallError,
+    Slot,
+    Source,
+    WindowConfig,
+    context_key,
+    set_key,
+    slot_kind,
+)
+from agent.keep import Keeper
 from cache.layout import ChunkKV
-from cache.orbit import Delta, fit_orbit, sample_orderings
-from cache.patch import Patch, PatchConfig, apply_patch, fit_patch
-from cache.rank import rank_strategy
-from cache.rope import KERNELS, rotate_many
-from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
-
-
-class Source(StrEnum):
-    """Where a window chunk's KV came from."""
-
-    PREFIX = "prefix"  # the pinned prefix, prefilled once at position 0
-    PREFILLED = "prefilled"  # prefilled in this window: exact conditioned KV
-    ROTATED = "rotated"  # a survivor of a slide or reorder: its conditioned KV, moved
-    PATCHED = "canonical+patch"  # recalled: canonical + the patch for its original antecedents
-    ORBIT = "canonical+orbit"  # reordered: canonical + the orbit patch of the window's set
-    CANONICAL = "canonical"  # no patch found: canonical KV alone (blind reuse)
-    CONDITIONED = "conditioned"  # recalled: its stored conditioned KV (exact for its old antecedents)
-
-
-@dataclass(frozen=True)
-class WindowConfig:
-    """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted
-    and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). headroom_tokens: spare
-    room kept after the window in its buffer for a step's new tokens (it grows if a step needs
-    more). max_offset: the largest position shift of the window in the live cache (default: the
-    budget; 0 keeps the window at position 0, rotating survivors on every slide). orbit_orderings:
-    orderings sampled per orbit fit. keep: what an evicted chunk leaves in the store:
-    ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
-    patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
-    (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
-    context; for streams such as video where content rarely repeats in another context)."""
-
-    budget_tokens: int = 4096
-    patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
-    rope_kernel: str = "auto"
-    headroom_tokens: int = 256
-    max_offset: int | None = None
-    orbit_orderings: int = 4
-    tenant_salt: str = ""
-    keep: str = "canonical+patch"
-
-    def __post_init__(self) -> None:
-        if self.keep not in ("canonical+patch", "conditioned"):
-            raise ValueError(f"keep must be 'canonical+patch' or 'conditioned', got {self.keep!r}")
-        if self.budget_tokens <= 0:
-            raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
-        if self.headroom_tokens < 0 or (self.max_offset is not None and self.max_offset < 0):
-            raise ValueError("headroom_tokens and max_offset must not be negative")
-        if self.orbit_orderings < 1:
-            raise ValueError("orbit_orderings must be at least 1")
-        if self.rope_kernel not in KERNELS:
-            raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
-
-
-@dataclass(frozen=True)
-class ChunkView:
-    """One chunk of the window as a user sees it."""
-
-    chunk_id: str
-    kind: str
-    n_tokens: int
-    extent: int
-    start: int
-    source: Source
-    meta: dict[str, Any]
-
-
-@dataclass
-class Counters:
-    """What the window did, cumulatively. ``tokens_reused``: window tokens that a step's new
-    tokens attended to without recomputing them (kept by whoever runs the steps)."""
-
-    tokens_prefilled: int = 0
-    tokens_reused: int = 0
-    tokens_rotated: int = 0
-    patches_applied: int = 0
-    patches_fitted: int = 0
-    canonical_encodes: int = 0
-    recompute_on_miss: int = 0
-    assemblies: int = 0
-    rebuilds: int = 0
-    slides: int = 0
-    chunks_evicted: int = 0
-    fit_ms: float = 0.0
-    assemble_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Evicted:
-    """What an evicted chunk leaves behind: enough to find (or, on a store miss, rebuild) its KV."""
-
-    chunk_id: str
-    input: ChunkInput
-    context_key: str
-    meta: dict[str, Any]
-
-
-@dataclass(eq=False)  # a slot is itself: the same chunk may sit in the window twice
-class _Slot:
-    chunk_id: str
-    input: ChunkInput
-    kv: ChunkKV  # pre-RoPE KV this window uses for the chunk
-    source: Source
-    context_key: str  # the antecedents it was prefilled after (its patch's key)
-    meta: dict[str, Any]
-    start: int = 0
-    placed_start: int | None = None  # the position its keys carry in the arena (None: not written)
-    segs: list[tuple[int, int]] = field(default_factory=list)  # (arena index, tokens), in token order
-    finalized: bool = False
-
-
-class RecallError(KeyError):
-    """The chunk was never in this window, or is in it now."""
-
-
-def context_key(chunk_ids: Iterable[str]) -> str:
-    h = hashlib.blake2b(b"kamera.context.v1", digest_size=20)
-    for cid in chunk_ids:
-        h.update(cid.encode() + b"\x00")
-    return h.hexdigest()
-
-
-def set_key(chunk_ids: Iterable[str]) -> str:
-    return "set-" + context_key(sorted(chunk_ids))
+from cache.patch import apply_patch
+from cache.store import TieredStore
+from cache.window import Window
 
 
 class ContextManager:
@@ -176,22 +65,23 @@ class ContextManager:
     ) -> None:
         self.adapter, self.store, self.config = adapter, store, config
         self.counters = Counters()
-        self._evicted: dict[str, _Evicted] = {}
+        self._keep = Keeper(adapter, store, config, self.counters)
+        self._evicted: dict[str, Evicted] = {}
         prefix_kv = adapter.encode(prefix)
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
-            _Slot(pid, prefix, prefix_kv, Source.PREFIX, context_key([]), {"kind": "prefix"}, finalized=True)
+            Slot(
+                kv=prefix_kv, chunk_id=pid, input=prefix, source=Source.PREFIX,
+                context_key=context_key([]), meta={"kind": "prefix"}, finalized=True,
+            )
         ]
         if self.tokens > config.budget_tokens:
             raise ValueError(
                 f"the prefix alone ({self.tokens} tokens) exceeds the budget {config.budget_tokens}"
             )
         self._cache: Any = None
-        self._arena: KVArena | None = None
-        self._holders: list[_Slot] = []  # slots whose tokens are in the arena
-        self._used = 0  # arena tokens the window occupies
-        self._base = 0  # the window's position shift in the arena
+        self._window = Window(adapter.spec, config.rope_kernel, config.headroom_tokens, self._shift_limit())
         self._restart()
 
     # --- views --------------------------------------------------------------------------
@@ -205,7 +95,7 @@ class ContextManager:
         """The position the next token takes in the live cache (:meth:`cache`, made if needed):
         the window's end plus :attr:`offset`."""
         self.cache()
-        return self._base + self._end
+        return self._window.offset + self._end
 
     @property
     def _end(self) -> int:
@@ -214,7 +104,7 @@ class ContextManager:
 
     def view(self) -> tuple[ChunkView, ...]:
         return tuple(
-            ChunkView(s.chunk_id, _kind(s), s.kv.n_tokens, s.kv.extent, s.start, s.source, dict(s.meta))
+            ChunkView(s.chunk_id, slot_kind(s), s.kv.n_tokens, s.kv.extent, s.start, s.source, dict(s.meta))
             for s in self._slots
         )
 
@@ -288,20 +178,17 @@ class ContextManager:
                 f"a {kv.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
             )
         ctx = context_key(s.chunk_id for s in self._slots)
-        slot = _Slot(
-            self.adapter.chunk_key(chunk, self.config.tenant_salt),
-            chunk,
-            kv,
-            Source.PREFILLED,
-            ctx,
-            dict(meta or {}),
+        slot = Slot(
+            kv=kv,
+            chunk_id=self.adapter.chunk_key(chunk, self.config.tenant_salt),
+            input=chunk,
+            source=Source.PREFILLED,
+            context_key=ctx,
+            meta=dict(meta or {}),
         )
         slot.start = self._end
-        if self._is_next_in_arena(cache, kv):  # they stay where the model wrote them
-            slot.segs, slot.placed_start = [(self._used, kv.n_tokens)], self._base + slot.start
-            self._used += kv.n_tokens
-            self._holders.append(slot)
-        else:
+        # the model wrote its tokens into the live cache's arena: they stay there
+        if cache is None or cache is not self._cache or not self._window.adopt(slot):
             self._cache = cache = None
         self._slots.append(slot)
         if self.tokens > self.config.budget_tokens:
@@ -321,7 +208,7 @@ class ContextManager:
         gone = self._slots[1 : 1 + n_chunks]
         for slot in gone:
             self._finalize_slot(slot)
-            self._evicted[slot.chunk_id] = _Evicted(slot.chunk_id, slot.input, slot.context_key, slot.meta)
+            self._evicted[slot.chunk_id] = Evicted(slot.chunk_id, slot.input, slot.context_key, slot.meta)
         del self._slots[1 : 1 + n_chunks]
         for slot in self._slots[1:]:
             if slot.source == Source.PREFILLED:
@@ -338,16 +225,16 @@ class ContextManager:
         current = [s.chunk_id for s in self._slots[1:]]
         if sorted(order) != sorted(current):
             raise ValueError("reorder needs a permutation of the chunks in the window")
-        by_id: dict[str, list[_Slot]] = {}
+        by_id: dict[str, list[Slot]] = {}
         for s in self._slots[1:]:
             by_id.setdefault(s.chunk_id, []).append(s)
         skey = set_key(current)
         new = [self._slots[0]]
         for cid in order:
             slot = by_id[cid].pop(0)
-            orbit = self._load_patch(cid, skey)
+            orbit = self._keep.patch(cid, skey)
             if orbit is not None:
-                canonical = self._canonical(slot.chunk_id, slot.input, recompute=True)
+                canonical = self._keep.canonical(slot.chunk_id, slot.input, recompute=True)
                 k, v = apply_patch(canonical.k, canonical.v, orbit)
                 slot.kv, slot.source = replace(canonical, k=k, v=v), Source.ORBIT
                 slot.placed_start = None  # new KV: its keys and values are written again
@@ -367,27 +254,27 @@ class ContextManager:
         index = len(self._slots) if at is None else at
         if not 1 <= index <= len(self._slots):
             raise ValueError(f"recall index must be in 1..{len(self._slots)} (0 is the pinned prefix)")
-        stored = self._load_kv(record_key(chunk_id, "conditioned", gone.context_key))
+        stored = self._keep.conditioned(chunk_id, gone.input, gone.context_key)
         if stored is not None:
-            slot = _Slot(
-                chunk_id,
-                gone.input,
-                stored,
-                Source.CONDITIONED,
-                gone.context_key,
-                dict(gone.meta),
+            slot = Slot(
+                kv=stored,
+                chunk_id=chunk_id,
+                input=gone.input,
+                source=Source.CONDITIONED,
+                context_key=gone.context_key,
+                meta=dict(gone.meta),
                 finalized=True,
             )
             return self._insert_recalled(slot, index)
-        canonical = self._canonical(chunk_id, gone.input, recompute=True)
-        patch = self._load_patch(chunk_id, gone.context_key)
-        slot = _Slot(
-            chunk_id,
-            gone.input,
-            canonical,
-            Source.CANONICAL,
-            gone.context_key,
-            dict(gone.meta),
+        canonical = self._keep.canonical(chunk_id, gone.input, recompute=True)
+        patch = self._keep.patch(chunk_id, gone.context_key)
+        slot = Slot(
+            kv=canonical,
+            chunk_id=chunk_id,
+            input=gone.input,
+            source=Source.CANONICAL,
+            context_key=gone.context_key,
+            meta=dict(gone.meta),
             finalized=True,
         )
         if patch is not None:
@@ -396,7 +283,7 @@ class ContextManager:
             self.counters.patches_applied += 1
         return self._insert_recalled(slot, index)
 
-    def _insert_recalled(self, slot: _Slot, index: int) -> ChunkView:
+    def _insert_recalled(self, slot: Slot, index: int) -> ChunkView:
         del self._evicted[slot.chunk_id]
         self._slots.insert(index, slot)
         while self.tokens > self.config.budget_tokens:
@@ -405,6 +292,33 @@ class ContextManager:
         self._restart()
         return self.view()[self._slots.index(slot)]
 
+    @torch.inference_mode()
+    def ensure(self, chunk: ChunkInput, meta: dict[str, Any] | None = None) -> Ensured:
+        """Make ``chunk`` the newest chunk of its kind (``meta["kind"]``, else image or text) in
+        the window, with the least work, and say how:
+
+        - ``present``: it already is (nothing done);
+        - ``moved``: it is in the window behind newer ones of its kind: it leaves and comes back
+          at the end, as a recall (its KV for the antecedents it was first seen after);
+        - ``recalled``: it was evicted: recalled at the end, no forward pass over it;
+        - ``appended``: never seen: prefilled at the end.
+        """
+        cid = self.adapter.chunk_key(chunk, self.config.tenant_salt)
+        kind = str((meta or {}).get("kind", "image" if isinstance(chunk, ImageInput) else "text"))
+        same = [i for i, v in enumerate(self.view()) if i and v.kind == kind]
+        mine = [i for i in same if self._slots[i].chunk_id == cid]
+        if mine and mine[-1] == same[-1]:
+            return Ensured(cid, "present")
+        if cid in self._evicted:
+            self.recall(cid)
+            return Ensured(cid, "recalled")
+        if mine:
+            self.slide_at(mine[-1])
+            self.recall(cid)
+            return Ensured(cid, "moved")
+        self.append(chunk, meta)
+        return Ensured(cid, "appended")
+
     def slide_at(self, index: int) -> str:
         """Evict the chunk at window ``index`` (not the prefix)."""
         if not 1 <= index < len(self._slots):
@@ -412,7 +326,6 @@ class ContextManager:
         self._slots.insert(1, self._slots.pop(index))
         return self.slide(1)[0]
 
-    @torch.inference_mode()
     def prepare_orbit(self) -> int:
         """Fit an orbit patch for every chunk of the current set over sampled orderings.
 
@@ -420,26 +333,7 @@ class ContextManager:
         later :meth:`reorder` of this set needs no forward pass. Returns the patches stored.
         """
         slots = self._slots[1:]
-        if len(slots) < 2:
-            return 0
-        skey = set_key(s.chunk_id for s in slots)
-        deltas: list[list[Delta]] = [[] for _ in slots]
-        canon = [self._canonical(s.chunk_id, s.input, recompute=s.finalized) for s in slots]
-        for ordering in sample_orderings(len(slots), self.config.orbit_orderings, seed=len(slots)):
-            cache = self.adapter.new_cache([self._slots[0].kv.place(0, self.adapter.spec)])
-            start = self._slots[0].kv.extent
-            for i in ordering:
-                out = self.adapter.prefill(slots[i].input, cache, start)
-                start += out.kv.extent
-                deltas[i].append(Delta(out.kv.k - canon[i].k, out.kv.v - canon[i].v))
-        t0 = time.perf_counter()
-        for slot, ds in zip(slots, deltas, strict=True):
-            self._put(
-                record_key(slot.chunk_id, "orbit", skey),
-                Entry(fit_orbit(ds, self.config.patch).patch.to_dict()),
-            )
-        self.counters.fit_ms += 1000 * (time.perf_counter() - t0)
-        return len(slots)
+        return self._keep.fit_orbits(self._slots[0].kv, [(s.chunk_id, s.input, s.finalized) for s in slots])
 
     @torch.inference_mode()
     def finalize(self) -> int:
@@ -457,195 +351,71 @@ class ContextManager:
     def cache(self) -> Any:
         """The model cache holding the window, every chunk's keys rotated to its place.
 
-        The window lives in one :class:`~cache.arena.KVArena` that is kept between calls and
-        brought up to date with the least work: a chunk whose place did not change is not
-        touched; one that moved has its keys rotated again from its pre-RoPE KV (its values
-        stay where they are); a new one is written into the room left by evicted chunks (or
-        after the last one), and the holes that remain are filled from the arena's physical end.
-        Since every cached token is visible to every new query, the tokens' physical order does
-        not matter, only their rotation. The whole window may sit at a position ``offset``
-        (:attr:`offset`): attention depends only on relative positions, so shifting the window
-        by a constant changes nothing, and after a slide moving the few prefix tokens is cheaper
-        than moving every survivor. The model's new tokens are written into the arena's spare
-        room; a cache returned earlier refuses to be used once the window changed
+        The window lives in one :class:`~cache.window.Window` kept between calls and brought up
+        to date with the least work (a chunk whose place did not change is not touched; one that
+        moved has its keys rotated again; a new one fills the room evicted chunks left). The
+        whole window may sit at a position ``offset`` (:attr:`offset`): attention depends only on
+        relative positions, so after a slide moving the few prefix tokens is cheaper than moving
+        every survivor. The model's new tokens are written into the arena's spare room; a cache
+        returned earlier refuses to be used once the window changed
         (:class:`~cache.arena.StaleCacheError`).
         """
         if self._cache is not None:
             return self._cache
         t0 = time.perf_counter()
-        if not self._sync():
-            self._rebuild()
-        assert self._arena is not None
-        self._arena.reset(self._used)
-        self._cache = self.adapter.new_cache(self._arena)
+        window = self._window
+        rotated, rebuilds = window.tokens_rotated, window.rebuilds
+        arena = window.sync(self._slots, self.config.budget_tokens)
+        self.counters.tokens_rotated += window.tokens_rotated - rotated
+        self.counters.rebuilds += window.rebuilds - rebuilds
+        self._cache = self.adapter.new_cache(arena)
         self.counters.assemblies += 1
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache
+
+    @torch.inference_mode()
+    def fresh_cache(self) -> tuple[Any, int]:
+        """A model cache of the window prefilled afresh, chunk after chunk from position 0, with
+        nothing reused but what the adapter keeps by content (vision features): the cache a
+        re-prefill of this window gives. Returns it and the next token's position. The window
+        itself is not touched."""
+        cache, start = self.adapter.empty_cache(), 0
+        for slot in self._slots:
+            out = self.adapter.prefill(slot.input, cache, start)
+            start += out.kv.extent
+            self.counters.fresh_tokens += slot.input.n_tokens
+        self.counters.fresh_prefills += 1
+        return cache, start
 
     def invalidate(self) -> None:
         """Drop the live cache (e.g. after generating tokens that are not part of the window):
         the next :meth:`cache` shows the window alone again, without moving anything."""
         self._cache = None
 
-    def _is_next_in_arena(self, cache: Any, kv: ChunkKV) -> bool:
-        """Whether ``kv``'s tokens are the live cache's next ones after the window (the model
-        wrote them there): their values, copied out unchanged, are checked at both ends."""
-        arena, n, at = self._arena, kv.n_tokens, self._used
-        if cache is None or cache is not self._cache or arena is None:
-            return False
-        if min(arena.lengths) < at + n:
-            return False
-        return all(
-            torch.equal(arena.v[layer, :, at + t], kv.v[layer, :, t])
-            for layer in (0, arena.n_layers - 1)
-            for t in (0, n - 1)
-        )
-
     @property
     def offset(self) -> int:
         """The window's position shift in the live cache: chunk ``i`` of :meth:`view` carries
         positions from ``view()[i].start + offset`` (see :meth:`cache`, made if needed)."""
         self.cache()
-        return self._base
+        return self._window.offset
 
     def placed_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Window chunk ``index``'s keys and values as the live cache holds them (copies,
         ``[L, H, T, D]``; keys rotated to ``view()[index].start + offset``)."""
         self.cache()
-        slot = self._slots[index]
-        assert self._arena is not None
-        ks = [self._arena.k[:, :, p : p + n] for p, n in slot.segs]
-        vs = [self._arena.v[:, :, p : p + n] for p, n in slot.segs]
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return self._window.placed_kv(self._slots[index])
 
     def _shift_limit(self) -> int:
         if not self.adapter.shift_invariant:
             return 0
         return self.config.budget_tokens if self.config.max_offset is None else self.config.max_offset
 
-    def _new_arena(self, tokens: int) -> KVArena:
-        first = self._slots[0].kv
-        return KVArena(
-            first.k.shape[0],
-            (first.k.shape[1], first.k.shape[3]),
-            (first.v.shape[1], first.v.shape[3]),
-            tokens + self.config.headroom_tokens,
-            first.k.dtype,
-            first.k.device,
-        )
-
-    def _rebuild(self) -> None:
-        """Every chunk written afresh, in window order from physical 0, at offset 0."""
-        total = self.tokens
-        if self._arena is None or self._arena.capacity < total + self.config.headroom_tokens:
-            self._arena = self._new_arena(max(total, self.config.budget_tokens))
-        offset = 0
-        for slot in self._slots:
-            slot.segs, slot.placed_start = [(offset, slot.kv.n_tokens)], None
-            offset += slot.kv.n_tokens
-        self._holders, self._used, self._base = list(self._slots), offset, 0
-        self.counters.rebuilds += 1
-        self._write()
-
-    def _sync(self) -> bool:
-        """Bring the arena up to the window in place; False when a rebuild is the better way."""
-        arena = self._arena
-        if arena is None:
-            return False
-        live = {id(s) for s in self._slots}
-        holes: list[tuple[int, int]] = []
-        for slot in self._holders:
-            if id(slot) not in live:
-                holes += slot.segs
-                slot.segs, slot.placed_start = [], None
-        # the offset most tokens already sit at (within the allowed shift)
-        votes: dict[int, int] = {}
-        for slot in self._slots:
-            if slot.segs and slot.placed_start is not None:
-                b = slot.placed_start - slot.start
-                votes[b] = votes.get(b, 0) + slot.kv.n_tokens
-        limit = self._shift_limit()
-        valid = {b: w for b, w in votes.items() if 0 <= b <= limit}
-        base = max(valid, key=lambda b: (valid[b], -b)) if valid else 0
-        # new chunks go into the holes first, then after the last used token
-        holes = _merge(holes)
-        used = self._used
-        for slot in self._slots:
-            if slot.segs:
-                continue
-            need, segs = slot.kv.n_tokens, []
-            while need and holes:
-                h, n = holes.pop(0)
-                take = min(n, need)
-                segs.append((h, take))
-                need -= take
-                if n > take:
-                    holes.insert(0, (h + take, n - take))
-            if need:
-                segs.append((used, need))
-                used += need
-            slot.segs, slot.placed_start = segs, None
-        arena.reserve(used + self.config.headroom_tokens)
-        used = self._compact(holes, used)
-        if sum(len(s.segs) for s in self._slots) > 2 * len(self._slots) + 16:
-            return False  # too fragmented: one contiguous rewrite is cheaper from here on
-        self._holders, self._used, self._base = list(self._slots), used, base
-        self._write()
-        return True
-
-    def _compact(self, holes: list[tuple[int, int]], used: int) -> int:
-        """Fill ``holes`` (sorted, disjoint, below ``used``) with tokens from the physical end."""
-        assert self._arena is not None
-        ends: dict[int, _Slot] = {p + n: s for s in self._slots for p, n in s.segs}
-        while holes:
-            h, n = holes[-1]
-            if h + n >= used:  # a hole at the end: just give it up
-                holes.pop()
-                used = min(used, h)
-                continue
-            h, n = holes[0]
-            owner = ends.pop(used)
-            i = next(j for j, (p, m) in enumerate(owner.segs) if p + m == used)
-            p, m = owner.segs[i]
-            take = min(m, n)
-            if owner.placed_start is not None:  # its data is valid: move it (else it is rewritten anyway)
-                self._arena.move(used - take, h, take)
-            owner.segs[i : i + 1] = [seg for seg in ((p, m - take), (h, take)) if seg[1]]
-            if m > take:
-                ends[used - take] = owner
-            ends[h + take] = owner
-            used -= take
-            holes[0:1] = [(h + take, n - take)] if n > take else []
-        return used
-
-    def _write(self) -> None:
-        """Rotate every chunk whose keys are not at its place (values too for new ones)."""
-        assert self._arena is not None
-        rotations = []
-        for slot in self._slots:
-            at = self._base + slot.start
-            if slot.placed_start == at:
-                continue
-            positions = slot.kv.placed_positions(at)
-            values = slot.placed_start is None
-            t = 0
-            for p, n in slot.segs:
-                out = self._arena.k[:, :, p : p + n]
-                rotations.append((slot.kv.k[:, :, t : t + n], positions[..., t : t + n], out))
-                if values:
-                    self._arena.v[:, :, p : p + n] = slot.kv.v[:, :, t : t + n]
-                t += n
-            slot.placed_start = at
-            self.counters.tokens_rotated += slot.kv.n_tokens
-        rotate_many(rotations, self.adapter.spec, self.config.rope_kernel)
-
     # --- internals ----------------------------------------------------------------------
 
     def _restart(self) -> None:
         """Logical starts from 0 in window order; the live cache is remade on next use (and a
         cache taken before refuses to run: it shows a window that no longer is)."""
-        if self._arena is not None:
-            self._arena.retire()
+        self._window.retire()
         start = 0
         for slot in self._slots:
             slot.start = start
@@ -661,70 +431,11 @@ class ContextManager:
         if count:
             self.slide(count)
 
-    def _canonical(self, chunk_id: str, chunk: ChunkInput, recompute: bool) -> ChunkKV:
-        """The chunk's canonical KV from the store, or encoded alone (and stored) on a miss.
-
-        ``recompute``: a miss means the store lost an entry it had (counted), not a first encode.
-        """
-        kv = self._load_kv(chunk_id)
-        if kv is not None and kv.n_tokens == chunk.n_tokens:
-            return kv
-        self.counters.recompute_on_miss += int(recompute)
-        kv = self.adapter.encode(chunk)
-        self.counters.canonical_encodes += 1
-        self._put_kv(chunk_id, kv)
-        return kv
-
-    def _load_kv(self, key: str) -> ChunkKV | None:
-        entry = self.store.get(key)
-        if entry is None:
-            return None
-        t = entry.tensors
-        return ChunkKV(t["k"], t["v"], t["positions"], int(entry.meta["extent"]), entry.meta["family"])
-
-    def _put_kv(self, key: str, kv: ChunkKV) -> None:
-        meta = {"n_tokens": kv.n_tokens, "extent": kv.extent, "family": kv.family}
-        self._put(key, Entry({"k": kv.k, "v": kv.v, "positions": kv.positions}, meta))
-
-    def _finalize_slot(self, slot: _Slot) -> None:
+    def _finalize_slot(self, slot: Slot) -> None:
         if slot.finalized:
             return
-        if self.config.keep == "conditioned" and slot.source in (Source.PREFILLED, Source.ROTATED):
-            self._put_kv(record_key(slot.chunk_id, "conditioned", slot.context_key), slot.kv)
-            slot.finalized = True
-            return
-        canonical = self._canonical(slot.chunk_id, slot.input, recompute=False)
         if slot.source in (Source.PREFILLED, Source.ROTATED):  # unfinalized: conditioned KV
-            t0 = time.perf_counter()
-            fit = fit_patch(canonical.k, canonical.v, slot.kv.k, slot.kv.v, self.config.patch)
-            self.counters.fit_ms += 1000 * (time.perf_counter() - t0)
-            self.counters.patches_fitted += 1
-            self._put(record_key(slot.chunk_id, "patch", slot.context_key), Entry(fit.patch.to_dict()))
+            self._keep.finalize(slot.chunk_id, slot.input, slot.kv, slot.context_key)
+        else:
+            self._keep.canonical(slot.chunk_id, slot.input, recompute=False)
         slot.finalized = True
-
-    def _load_patch(self, chunk_id: str, ctx: str) -> Patch | None:
-        kind = "orbit" if ctx.startswith("set-") else "patch"
-        entry = self.store.get(record_key(chunk_id, kind, ctx))
-        return None if entry is None else Patch.from_dict(dict(entry.tensors))
-
-    def _put(self, key: str, entry: Entry) -> None:
-        # too big for every tier, or every tier pinned full: a later miss re-encodes it
-        with contextlib.suppress(EntryTooLargeError, TierFullError):
-            self.store.put(key, entry)
-
-
-def _kind(slot: _Slot) -> str:
-    if slot.source == Source.PREFIX:
-        return "prefix"
-    return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))
-
-
-def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint ``(start, length)`` ranges with touching ones joined."""
-    out: list[tuple[int, int]] = []
-    for p, n in sorted(segments):
-        if out and out[-1][0] + out[-1][1] == p:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        elif n:
-            out.append((p, n))
-    return out

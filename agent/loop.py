@@ -7,12 +7,20 @@ parse), parses the output with the policy, and records the exchange as a chunk o
 straight from the model cache (no second prefill). Canonical KV and patches of the new chunks
 are fitted after the answer, off the path to the first token.
 
+The window's reuse mode (``WindowConfig.reuse``) says what the answer may rest on: in ``repair``
+(the default) the window's moved and patched KV, with greedy decoding guarded
+(``agent.server.generation.Guard``): the first step too close to call moves to a fresh prefill of
+the window (``ContextManager.fresh_cache``), where the tokens so far are replayed and checked,
+so from there the answer is a re-prefill's; ``fast`` is the window's KV unguarded; ``exact``
+answers every step on a fresh prefill.
+
 Not here: window mechanics (``agent/context.py``), how the model holds KV (``agent/adapters``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +34,7 @@ from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
+from agent.server.generation import SamplingParams, decode
 from cache.store import StoreConfig, TieredStore
 
 
@@ -117,6 +126,21 @@ class StepResult:
         }
 
 
+class _FreshWindow:
+    """The guard of one step: the window prefilled afresh, then the step's instruction."""
+
+    def __init__(self, cm: ContextManager, prompt: TextInput) -> None:
+        self.cm, self.prompt, self.margin = cm, prompt, cm.config.repair_margin
+        self.cache: Any = None
+        self.start = 0
+
+    def exact(self) -> tuple[Any, torch.Tensor, int]:
+        self.cache, self.start = self.cm.fresh_cache()
+        adapter = self.cm.adapter
+        logits = adapter.next_logits(self.prompt, self.cache, self.start)
+        return self.cache, logits, self.start + adapter.chunk_positions(self.prompt)[1]
+
+
 class Agent:
     """One agent session: a window on a model and a store, stepped by observations."""
 
@@ -183,15 +207,29 @@ class Agent:
         # every new chunk of the step in as few forward passes as the budget allows
         ids = cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
         prompt = self._text(self.chat.instruction(instruction))
-        cache = cm.cache()
-        start = cm.next_start
+        reuse = cm.config.reuse
+        cache, start = cm.fresh_cache() if reuse == "exact" else (cm.cache(), cm.next_start)
         budget = max_new_tokens or self.max_new_tokens
-        gen = self.adapter.generate(prompt, cache, start, budget, constraint=self._constraint(budget))
-        ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
-        c.tokens_prefilled += prompt.n_tokens + len(gen.tokens)
+        guard = _FreshWindow(cm, prompt) if reuse == "repair" and cm.config.repair_margin > 0 else None
+        _, extent = self.adapter.chunk_positions(prompt)
+        decoded = decode(
+            self.adapter,
+            self.adapter.next_logits(prompt, cache, start),
+            cache,
+            start + extent,
+            SamplingParams(max_tokens=budget),
+            threading.Event(),
+            constraint=self._constraint(budget),
+            guard=guard,
+        )
+        ttft_ms = 1000 * (decoded.first_token_at - t0)
+        if guard is not None and guard.cache is not None:  # a close call: answered on a fresh prefill
+            cache, start = guard.cache, guard.start
+        tokens = decoded.tokens
+        c.tokens_prefilled += prompt.n_tokens + len(tokens)
         c.tokens_reused += reused
-        output = self.adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-        self._record_turn(prompt, gen.tokens, cache, start)
+        output = self.adapter.tokenizer.decode(tokens, skip_special_tokens=True)
+        self._record_turn(prompt, tokens, cache, start)
         t1 = time.perf_counter()
         if self.auto_finalize:
             cm.finalize()

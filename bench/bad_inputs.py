@@ -3,9 +3,11 @@
     python -m bench.bad_inputs [--model MODEL] [--repeat 5]
 
 Starts ``kamera serve`` from this tree with one API key, warms it with one good request, then sends
-each bad input ``--repeat`` times and prints a Markdown table: the status, the median
-client-side milliseconds (the upload of the body included), and the server's resident memory
-(VmRSS) before the first send and half a second after the last answer.
+each bad input ``--repeat`` times and prints a Markdown table: the status and error code, the
+median client-side milliseconds (the upload of the body included), and the server's resident memory
+(VmRSS) before the first send and half a second after the last answer. The 30 MiB message is
+sent twice: with its Content-Length, and chunked (no length: the server sees only the bytes read
+so far).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +36,9 @@ PNG = (  # a 1x1 PNG
 )
 
 
+CHUNKED = "(chunked)"  # a case whose name ends so is sent without a Content-Length
+
+
 def cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
     chat = "/v1/chat/completions"
 
@@ -40,6 +46,7 @@ def cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
         return json.dumps(obj).encode()
 
     frames = '{"type": "frames", "frames": ["data:,"], "timestamps": [%s]}'
+    big = body({"messages": [{"role": "user", "content": "a " * (15 << 20)}]})
     step = '{"observations": [' + frames + '], "instruction": "go"}'
     return [
         (
@@ -49,13 +56,8 @@ def cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
             b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
             KEY,
         ),
-        (
-            "30 MiB text message",
-            "POST",
-            chat,
-            body({"messages": [{"role": "user", "content": "a " * (15 << 20)}]}),
-            KEY,
-        ),
+        ("30 MiB text message", "POST", chat, big, KEY),
+        (f"30 MiB text message {CHUNKED}", "POST", chat, big, KEY),
         (
             "10 MiB text message",
             "POST",
@@ -85,6 +87,11 @@ def cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
         ("/metrics without a key", "GET", "/metrics", b"", {}),
         ("/openapi.json without a key", "GET", "/openapi.json", b"", {}),
     ]
+
+
+def pieces(data: bytes, size: int = 1 << 16) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
 
 
 def rss_mb(pid: int) -> float:
@@ -124,20 +131,23 @@ def main() -> None:
                 except httpx.TransportError:
                     time.sleep(0.5)
             client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, headers=KEY)
-            print("| bad input | status | median ms | server RSS before / after (MiB) |")
-            print("|---|---|---|---|")
+            print("| bad input | status | code | median ms | server RSS before / after (MiB) |")
+            print("|---|---|---|---|---|")
             for name, method, path, data, headers in cases():
                 before = rss_mb(proc.pid)
-                times, statuses = [], set()
+                times, statuses, codes = [], set(), set()
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
-                    r = client.request(method, path, content=data or None, headers=headers)
+                    content = pieces(data) if name.endswith(CHUNKED) else data or None
+                    r = client.request(method, path, content=content, headers=headers)
                     times.append(1000 * (time.perf_counter() - t0))
                     statuses.add(r.status_code)
+                    codes.add(r.json()["error"]["code"])
                 time.sleep(SETTLE_S)
                 after = rss_mb(proc.pid)
                 status = "/".join(str(s) for s in sorted(statuses))
-                print(f"| {name} | {status} | {statistics.median(times):.1f} | {before:.0f} / {after:.0f} |")
+                median, code = statistics.median(times), "/".join(sorted(codes))
+                print(f"| {name} | {status} | {code} | {median:.1f} | {before:.0f} / {after:.0f} |")
     finally:
         proc.terminate()
         proc.wait(60)

@@ -17,7 +17,13 @@ commits: a full prefill). Per policy and mode:
   content at a moved position or after other antecedents), ``repair_recomputed`` (of those, the
   tokens repair ran through every layer again), ``cached`` (exact + content), ``recomputed``;
 - ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
-  hits, measured side by side (median and mean), in the same process and thread count.
+  hits, measured side by side (median and mean), in the same process and thread count;
+- ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
+  exact KV (``agent/server/answer.py``), and the tokens prefilled again for it;
+- ``guard_curve`` (with ``--repair-margin 0``: the guard off, decoding stays on repaired KV):
+  for each margin, the agreement the guard would give and the share of requests that would fall
+  back, read from the margins between the best two logits along each answer. It is how the
+  default margin is chosen, on the dev half.
 
 Every mode replays its own history: what a mode stores depends on what it reused. Nothing
 here knows the reference when a request is prepared: the figures are the product's.
@@ -31,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +44,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from agent.server.answer import answer
 from agent.server.chat import Message, render
-from agent.server.generation import SamplingParams, decode
+from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
 from bench.traces_data import get_policy, load_sessions, message_body
 from cache.store import StoreConfig, TieredStore
@@ -54,6 +60,7 @@ class Outcome(NamedTuple):
     logits: torch.Tensor  # first token's, [vocab]
     ttft_s: float
     usage: Any
+    margins: list[float]  # per generated token: the gap between its best two logits
 
 
 class Row(NamedTuple):
@@ -72,11 +79,10 @@ def to_messages(request: Sequence[dict[str, Any]]) -> list[Message]:
 
 def run(pc: PromptCache, prompt: Any, salt: str, mode: ReuseMode, params: SamplingParams) -> Outcome:
     t0 = time.perf_counter()
-    prepared = pc.prepare(prompt, salt, mode)
-    out = decode(pc.adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
-    ttft = out.first_token_at - t0
-    pc.commit(prepared)
-    return Outcome(out.tokens, prepared.logits, ttft, prepared.usage)
+    out = answer(pc, prompt, salt, mode, params)
+    ttft = out.decoded.first_token_at - t0
+    margins = [lp.top[0][1] - lp.top[1][1] for lp in out.decoded.logprobs if len(lp.top) > 1]
+    return Outcome(out.decoded.tokens, out.logits, ttft, out.usage, margins)
 
 
 def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
@@ -116,7 +122,37 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
         "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
         "lost_entries": sum(x.lost_entries for x in u),
+        "fallbacks": {
+            "requests": sum(x.fallback_tokens > 0 for x in u),
+            "tokens": sum(x.fallback_tokens for x in u),
+        },
     }
+
+
+GUARD_MARGINS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+def guard_curve(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """For each margin: the share of requests with hits whose answer a guard at that margin would
+    keep equal to the full prefill's (it falls back at or before the first token that differs),
+    and the share it would send to exact KV. From unguarded runs (``--repair-margin 0``)."""
+    hit = [r for r in rows if r.cached.usage.cached_tokens > 0]
+    out = []
+    for margin in GUARD_MARGINS:
+        same = falls = 0
+        for r in hit:
+            a, b = r.cached.tokens, r.reference.tokens
+            differ = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            if differ is None and len(a) != len(b):
+                differ = min(len(a), len(b))
+            close = None
+            if r.cached.usage.relocated_tokens > 0:  # only repaired KV is guarded
+                close = next((i for i, m in enumerate(r.cached.margins) if m < margin), None)
+            falls += close is not None
+            same += differ is None or (close is not None and close <= differ)
+        n = len(hit) or 1
+        out.append({"margin": margin, "agreement": round(same / n, 4), "fallback_share": round(falls / n, 4)})
+    return out
 
 
 def replay(
@@ -172,6 +208,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=PromptCacheConfig.block_tokens)
     p.add_argument("--min-reuse-tokens", type=int, default=PromptCacheConfig.min_reuse_tokens)
     p.add_argument("--repair-ratio", type=float, default=PromptCacheConfig.repair_ratio)
+    p.add_argument(
+        "--repair-margin",
+        type=float,
+        default=PromptCacheConfig.repair_margin,
+        help="guard margin on repaired KV (0: no guard, and the guard_curve is reported)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--store-bytes", type=int, default=4 << 30)
     p.add_argument("--json", type=Path, default=None)
@@ -193,9 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"no sessions in {args.source} ({args.split}): is ../shared/data there?")
     adapter = load_adapter(args.model)
     config = PromptCacheConfig(
-        block_tokens=args.block_tokens, min_reuse_tokens=args.min_reuse_tokens, repair_ratio=args.repair_ratio
+        block_tokens=args.block_tokens,
+        min_reuse_tokens=args.min_reuse_tokens,
+        repair_ratio=args.repair_ratio,
+        repair_margin=args.repair_margin,
     )
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
     report: dict[str, Any] = {
         "model": adapter.info.name,
         "source": args.source,
@@ -208,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "block_tokens": config.block_tokens,
             "min_reuse_tokens": config.min_reuse_tokens,
             "repair_ratio": config.repair_ratio,
+            "repair_margin": config.repair_margin,
         },
         "policies": {},
     }
@@ -226,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.store_bytes,
             )
             report["policies"][name] = {m: summarize(r) for m, r in rows.items()}
+            if config.repair_margin == 0 and "repair" in rows:
+                report["policies"][name]["repair"]["guard_curve"] = guard_curve(rows["repair"])
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     print_table(report)
     if args.json:

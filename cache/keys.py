@@ -290,3 +290,21 @@ def chained_keys(keys: Iterable[ContentKey]) -> list[ContentKey]:
         parent = chain_key(parent, k)
         out.append(parent)
     return out
+
+
+def fingerprint(parts: Sequence[np.ndarray | str | Sequence[int] | torch.Tensor]) -> str:
+    """What a stored entry certifies about the content it holds (``Entry.tokens``): its text as
+    token ids and its images as content keys, in order, with no namespace (the store key carries
+    that). Adjacent text parts hash as one. 32 hex digits."""
+    frames, text = [], []
+    for part in parts:
+        if isinstance(part, str):
+            if text:
+                frames.append(_frame(b"t", b"".join(text)))
+                text = []
+            frames.append(_frame(b"i", part.encode()))
+        else:
+            text.append(token_bytes(part))
+    if text:
+        frames.append(_frame(b"t", b"".join(text)))
+    return _key("fingerprint", frames).hex[:32]

@@ -29,13 +29,12 @@ Not here: how a model produces or consumes these tensors (``agent/adapters``), p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from cache.rope import RopeSpec, relocate, rotate, rotate_many
+from cache.rope import RopeSpec, relocate, rotate
 
 Family = Literal["gqa", "mla"]
 
@@ -126,40 +125,6 @@ class ChunkKV:
             self.family,
             None if self.placed_at is None else self.placed_at + p0,
         )
-
-
-def place_window(
-    chunks: Sequence[tuple[ChunkKV, int]], spec: RopeSpec, kernel: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every ``(chunk, start)`` placed, in order, in one pair of window buffers: post-RoPE
-    ``k [L, H, sum T, D_k]`` and ``v [L, H_v, sum T, D_v]``.
-
-    Each chunk's keys are rotated straight into its slice of the buffer (all of them in one
-    :func:`~cache.rope.rotate_many`), so a window costs one write of its keys and one copy of
-    its values, not a rotated copy per chunk and a concatenation after. A chunk already placed
-    (``placed_at``) is copied where it starts there and relocated by the difference elsewhere.
-    """
-    if not chunks:
-        raise ValueError("no chunks to place")
-    first = chunks[0][0]
-    total = sum(kv.n_tokens for kv, _ in chunks)
-    k = first.k.new_empty((first.k.shape[0], first.k.shape[1], total, first.k.shape[3]))
-    v = first.v.new_empty((first.v.shape[0], first.v.shape[1], total, first.v.shape[3]))
-    rotations, at = [], 0
-    for kv, start in chunks:
-        n = kv.n_tokens
-        out = k[:, :, at : at + n]
-        if kv.placed_at is None:
-            rotations.append((kv.k, kv.placed_positions(start), out))
-        elif kv.placed_at == start:
-            out.copy_(kv.k)
-        else:
-            relocate(kv.k, start - kv.placed_at, spec, kernel, out)
-        v[:, :, at : at + n] = kv.v
-        at += n
-    if rotations:
-        rotate_many(rotations, spec, kernel)
-    return k, v
 
 
 def text_positions(n_tokens: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.loading import load_adapter
+from agent.server.answer import answer
 from agent.server.chat import Message, render
-from agent.server.generation import SamplingParams, decode
+from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
 from cache.store import StoreConfig, TieredStore
 
@@ -68,14 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def messages(docs: Sequence[str]) -> list[Message]:
         return [Message("system", (SYSTEM,)), Message("user", (*[d + "\n" for d in docs], args.question))]
 
-    def answer(pc: PromptCache, docs: Sequence[str], salt: str, mode: Any) -> dict[str, Any]:
+    def run(pc: PromptCache, docs: Sequence[str], salt: str, mode: Any) -> dict[str, Any]:
         prompt = build_prompt(adapter, render(adapter.tokenizer, messages(docs)), pc.image_unit)
         t = time.perf_counter()
-        prepared = pc.prepare(prompt, salt, mode)
-        out = decode(adapter, prepared.logits, prepared.cache, prepared.position, params, threading.Event())
+        answered = answer(pc, prompt, salt, mode, params)
+        out, u = answered.decoded, answered.usage
         ttft_ms = 1000 * (out.first_token_at - t)
-        pc.commit(prepared)
-        u = prepared.usage
         return {
             "mode": mode,
             "answer": adapter.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
@@ -86,13 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repair_recomputed_tokens": u.repaired_tokens,
             "prefilled_tokens": u.prefilled_tokens,
             "rotated_tokens": u.rotated_tokens,
+            "exact_fallback_tokens": u.fallback_tokens,
             "ttft_ms": ttft_ms,
         }
 
     reordered = [DOCUMENTS[i] for i in order]
     rows = []
     with torch.inference_mode():
-        reference = answer(
+        reference = run(
             PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20))),
             reordered,
             "",
@@ -103,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pc = PromptCache(
                 adapter, TieredStore.from_config(StoreConfig(host_bytes=256 << 20)), PromptCacheConfig()
             )
-            answer(pc, DOCUMENTS, "", "exact")
-            rows.append(answer(pc, reordered, "", mode))
+            run(pc, DOCUMENTS, "", "exact")
+            rows.append(run(pc, reordered, "", mode))
 
     table = Table(title=f"documents reordered to {args.order}: each reuse mode against a full prefill")
     for col in (

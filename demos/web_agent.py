@@ -105,25 +105,11 @@ class WebSession:
     def observe(self, image: Any, url: str, step: int) -> tuple[str, str]:
         """Put the screenshot at the end of the window. Returns (content id, how it got there)."""
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
-        cid = self.adapter.chunk_key(chunk, self.cm.config.tenant_salt)
-        view = self.cm.view()
-        seen = [v.chunk_id for v in view if v.kind == SCREENSHOT]
-        if seen and seen[-1] == cid:  # the page did not change: the latest screenshot stands
-            source = "present"
-        elif cid in self.cm.evicted:
-            self.cm.recall(cid)
-            source = "recalled"
-        elif any(v.chunk_id == cid for v in view):
-            self.cm.slide_at(next(i for i, v in enumerate(view) if i and v.chunk_id == cid))
-            self.cm.recall(cid)
-            source = "moved"
-        else:
-            if chunk.n_tokens + view[0].n_tokens > self.args.budget:
-                raise UsageError(
-                    f"a screenshot is {chunk.n_tokens} tokens: --budget {self.args.budget} is too small"
-                )
-            self.cm.append(chunk, {"kind": SCREENSHOT, "url": url, "step": step})
-            source = "appended"
+        if chunk.n_tokens + self.cm.view()[0].n_tokens > self.args.budget:
+            raise UsageError(
+                f"a screenshot is {chunk.n_tokens} tokens: --budget {self.args.budget} is too small"
+            )
+        cid, source = self.cm.ensure(chunk, {"kind": SCREENSHOT, "url": url, "step": step})
         shots = [i for i, v in enumerate(self.cm.view()) if v.kind == SCREENSHOT]
         for index in reversed(shots[: max(0, len(shots) - self.args.keep)]):
             self.cm.slide_at(index)

@@ -25,6 +25,7 @@ import torch
 from cache.arena import KVArena
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec
+from cache.window import ArenaDims
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,12 @@ class ModelAdapter(ABC):
     @abstractmethod
     def vocab_size(self) -> int:
         """Rows of the input embedding (it may pad the tokenizer's vocabulary)."""
+
+    @property
+    def arena_dims(self) -> ArenaDims:
+        """The shapes of this model's KV in a window's arena (ChunkKV layout)."""
+        i = self.info
+        return ArenaDims(i.n_layers, (i.kv_heads, i.head_dim), (i.kv_heads, i.head_dim), i.dtype, self.device)
 
     @abstractmethod
     def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:

@@ -36,6 +36,7 @@ from cache.arena import KVArena
 from cache.keys import Namespace, image_key, token_key
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
+from cache.window import ArenaDims
 
 INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
 
@@ -85,6 +86,8 @@ class DecoderAdapter(ModelAdapter):
         head_dim = (
             cfg.qk_rope_head_dim if mla else (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         )
+        v_dims = (1, cfg.kv_lora_rank) if mla else (kv_heads, getattr(cfg, "v_head_dim", None) or head_dim)
+        self._kv_dims = ((kv_heads, head_dim), v_dims)
         self.spec = self._rope_spec(cfg)
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
@@ -119,6 +122,11 @@ class DecoderAdapter(ModelAdapter):
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
+    def arena_dims(self) -> ArenaDims:
+        """The shapes of this model's KV in a window's arena (ChunkKV layout)."""
+        return ArenaDims(self.info.n_layers, self._kv_dims[0], self._kv_dims[1], self.info.dtype, self.device)
 
     def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
         if isinstance(chunk, ImageInput):

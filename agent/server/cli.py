@@ -57,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
         help="default reuse of cached KV (a request's kamera_reuse overrides it): exact prefix only, "
         "content reuse repaired, or content reuse blind",
     )
+    store.add_argument(
+        "--repair-margin",
+        type=float,
+        default=float(_env("repair_margin", "1.0")),
+        help="repair's guard: a greedy step on repaired KV whose best two logits lie closer than this "
+        "moves decoding to exact KV (0: no guard)",
+    )
     shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
     shared.add_argument(
         "--redis-url",
@@ -155,7 +162,7 @@ def build_config(args: argparse.Namespace) -> Any:
             redis=redis,
             write_through=args.disk_path is not None,  # in the background; a restart finds every chunk
         ),
-        prompt_cache=PromptCacheConfig(mode=args.reuse_mode),
+        prompt_cache=PromptCacheConfig(mode=args.reuse_mode, repair_margin=args.repair_margin),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,
             fetch=FetchConfig(enabled=bool(hosts), allowed_hosts=hosts),

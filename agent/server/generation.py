@@ -10,6 +10,15 @@ Under a grammar (``grammar.Constraint``) the tokens it does not allow get ``-inf
 sampling, and generation stops as soon as the grammar is complete. Log probabilities are the
 model's own (its logits before the mask, the temperature and top_p), as a client would score text.
 
+A :class:`Guard` watches greedy decoding on approximate KV (``repair`` reuse): at the first step
+whose best two logits (among the allowed tokens) lie closer than ``guard.margin``, where the small
+error of reused KV could flip the choice, decoding moves to the exact cache the guard builds (the
+prompt as a full prefill computes it). The tokens chosen so far are replayed on it one at a time,
+as a full prefill's decode runs them, each checked against the exact choice; at the first that
+differs, decoding rewinds there when nothing was handed out yet (no ``on_text``, no grammar), and
+otherwise goes on with the text as sent and counts the tokens that differ (``Decoded.diverged``).
+From then on every token is the exact path's.
+
 Not here: the prompt (``prompt_cache.py``) or how text reaches a client (``app.py``).
 """
 
@@ -19,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -83,6 +92,17 @@ class Decoded(NamedTuple):
     finish_reason: FinishReason
     first_token_at: float  # time.perf_counter() when the first token was chosen
     logprobs: list[TokenLogprob]  # one per token when asked for, else empty
+    escalated_at: int | None = None  # the step at which a guard moved decoding to exact KV
+    diverged: int = 0  # tokens handed out before that which the exact path would not have chosen
+
+
+class Guard(Protocol):
+    """A way from approximate KV to exact KV, taken when a greedy choice is too close to call."""
+
+    margin: float  # logits: a step whose best two lie closer than this goes to exact KV
+
+    def exact(self) -> tuple[Any, torch.Tensor, int]:
+        """The prompt's exact model cache, its last logits, and the next token's position."""
 
 
 class Sampler:
@@ -146,23 +166,31 @@ def decode(
     cancel: threading.Event,
     on_text: TextCallback | None = None,
     constraint: Constraint | None = None,
+    guard: Guard | None = None,
 ) -> Decoded:
     """Generate after a prompt whose last logits are ``first_logits``; the next token sits at
-    ``position`` on ``cache`` (which grows)."""
+    ``position`` on ``cache`` (which grows). ``guard``: see the module docstring (greedy only)."""
     sample = Sampler(params)
     stream = TextStream(adapter.tokenizer, params.stop)
     logprobs: list[TokenLogprob] = []
     sent = 0  # logprobs already handed to on_text
+    watch = guard is not None and params.temperature == 0.0
+    masks: list[torch.Tensor] = []  # each step's allowed tokens, kept while a guard watches a grammar
+    escalated_at: int | None = None
+    diverged = 0
 
-    def choose(logits: torch.Tensor) -> int:
-        if constraint is not None:
-            allowed = constraint.allowed(logits.shape[-1])
-            if not allowed.any():
-                raise GrammarError("the grammar allows no token of this model's vocabulary")
-            masked = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-            token = sample(masked)
-        else:
-            token = sample(logits)
+    def allowed_now(logits: torch.Tensor) -> torch.Tensor | None:
+        if constraint is None:
+            return None
+        allowed = constraint.allowed(logits.shape[-1]).to(logits.device)
+        if not allowed.any():
+            raise GrammarError("the grammar allows no token of this model's vocabulary")
+        if watch and escalated_at is None:
+            masks.append(allowed)
+        return allowed
+
+    def choose(logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+        token = sample(logits if allowed is None else _masked(logits, allowed))
         if params.logprobs:
             logprobs.append(token_logprob(logits, token, params.top_logprobs))
         return token
@@ -173,7 +201,34 @@ def decode(
             on_text(delta, logprobs[sent:])
             sent = len(logprobs)
 
-    token = choose(first_logits)
+    def step(logits: torch.Tensor) -> int:
+        """The next token: on exact KV from here on if this choice is too close to call."""
+        nonlocal cache, position, escalated_at, diverged, stream
+        allowed = allowed_now(logits)
+        if not watch or escalated_at is not None or _margin(logits, allowed) >= guard.margin:  # type: ignore[union-attr]
+            return choose(logits, allowed)
+        done = list(stream.tokens)
+        escalated_at = len(done)
+        cache, logits, position = guard.exact()  # type: ignore[union-attr]
+        for j, t in enumerate(done):
+            mask = masks[j] if constraint is not None else None
+            if int((logits if mask is None else _masked(logits, mask)).argmax()) != t:
+                if on_text is None and constraint is None:  # nothing handed out: rewind here
+                    stream = TextStream(adapter.tokenizer, params.stop)
+                    for kept in done[:j]:
+                        stream.push(kept)
+                    del logprobs[j:]
+                    return choose(logits, None)
+                diverged = len(done) - j
+                for later in done[j:]:
+                    logits = adapter.decode_step(later, cache, position)
+                    position += 1
+                break
+            logits = adapter.decode_step(t, cache, position)
+            position += 1
+        return choose(logits, allowed)
+
+    token = step(first_logits)
     first_at = time.perf_counter()
     reason: FinishReason = "length"
     while True:
@@ -193,9 +248,20 @@ def decode(
         if cancel.is_set():
             reason = "cancelled"
             break
-        token = choose(adapter.decode_step(token, cache, position))
+        logits = adapter.decode_step(token, cache, position)
         position += 1
+        token = step(logits)  # may move decoding to exact KV (cache and position with it)
     tail = "" if stream.stopped else stream.flush()
     if on_text is not None and (tail or len(logprobs) > sent):
         on_text(tail, logprobs[sent:])
-    return Decoded(stream.text, stream.tokens, reason, first_at, logprobs)
+    return Decoded(stream.text, stream.tokens, reason, first_at, logprobs, escalated_at, diverged)
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _margin(logits: torch.Tensor, allowed: torch.Tensor | None) -> float:
+    """The gap between the best two logits (among the allowed tokens): how close the call is."""
+    top = (logits if allowed is None else _masked(logits, allowed)).float().topk(2).values
+    return float(top[0] - top[1])

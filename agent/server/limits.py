@@ -1,10 +1,11 @@
 """What one request may ask of the server, and the body-size gate that runs before anything else.
 
 Every limit is checked before the input it bounds is decoded: the body size from Content-Length
-and again while the body streams in (``BodyLimitMiddleware``, before any JSON parsing), counts of
-messages, images and videos from the parsed request (before any image is decoded), bytes and
-pixels of each image from its header (``tools/media.py``), and a video's bytes, duration and
-frame size from its container metadata (``tools/video.py``).
+and again while the body streams in (``BodyLimitMiddleware``, before any JSON parsing; a route
+may have a tighter :class:`BodyBound` of its own), counts of messages, images and videos from
+the parsed request (before any image is decoded), bytes and pixels of each image from its header
+(``tools/media.py``), and a video's bytes, duration and frame size from its container metadata
+(``tools/video.py``).
 
 Not here: authentication, queueing (``runtime.py``).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,7 +38,12 @@ class ServerLimits:
     long shutdown waits for running requests; header_timeout_s: a request's headers must arrive
     within it of the connection opening (or of the previous response); body_timeout_s: its body
     within it of the headers; max_tenant_sessions / max_tenant_queue: one tenant's share of the
-    sessions and of the queue, 0 for an equal share (the total over the number of tenants).
+    sessions and of the queue, 0 for an equal share (the total over the number of tenants);
+    prompt_json_bytes_per_token / prompt_body_allowance: for a model that takes no images, a
+    chat body is refused unread past ``max_prompt_tokens * prompt_json_bytes_per_token +
+    prompt_body_allowance`` bytes (0 bytes a token: derived from the tokenizer, see
+    ``token_bound.py``; the allowance is for what the prompt does not hold: JSON structure,
+    names, stop strings, a ``response_format`` schema).
     """
 
     max_body_bytes: int = 32 << 20
@@ -64,10 +71,12 @@ class ServerLimits:
     body_timeout_s: float = 60.0
     max_tenant_sessions: int = 0
     max_tenant_queue: int = 0
+    prompt_json_bytes_per_token: int = 0
+    prompt_body_allowance: int = 1 << 20
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name in _ZERO_IS_EQUAL_SHARE and getattr(self, f.name) == 0:
+            if f.name in _ZERO_IS_DERIVED and getattr(self, f.name) == 0:
                 continue
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"limit {f.name} must be positive, got {getattr(self, f.name)!r}")
@@ -88,12 +97,29 @@ def _share(total: int, tenants: int, quota: int) -> int:
     return min(total, quota) if quota else max(1, total // max(1, tenants))
 
 
-_ZERO_IS_EQUAL_SHARE = frozenset({"max_tenant_sessions", "max_tenant_queue"})
+# Fields where 0 means "derived": an equal share, or the tokenizer's bound.
+_ZERO_IS_DERIVED = frozenset({"max_tenant_sessions", "max_tenant_queue", "prompt_json_bytes_per_token"})
 
 
-def _error_body(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
+def _error_body(message: str, code: str, param: str | None = None) -> bytes:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": param}}
     return json.dumps(body).encode()
+
+
+@dataclass(frozen=True)
+class BodyBound:
+    """One route's tighter cap on its body, and the error its excess gets: ``status``, OpenAI
+    ``code`` and ``param``, and ``why`` the cap is what it is (ends the message)."""
+
+    max_bytes: int
+    status: int
+    code: str
+    param: str | None
+    why: str
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError("a body bound must be positive")
 
 
 class BodyLimitMiddleware:
@@ -103,15 +129,25 @@ class BodyLimitMiddleware:
     A declared Content-Length over the cap is refused at once; otherwise the body is read up to
     the cap (a chunked or lying client is cut off as soon as it passes it) and replayed to the app.
     The deadline is for the whole body, so a client trickling a byte a second is cut all the same.
+    ``routes`` maps a path to a tighter :class:`BodyBound`, checked the same way (after the
+    server's cap, which answers a body over both).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float = 60.0,
+        routes: Mapping[str, BodyBound] | None = None,
+    ) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.routes = dict(routes or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        bound = self.routes.get(scope["path"])
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -124,6 +160,9 @@ class BodyLimitMiddleware:
                 await _reply(
                     send, 413, f"request body of {size} bytes exceeds {self.max_bytes}", "body_too_large"
                 )
+                return
+            if bound is not None and size > bound.max_bytes:
+                await _over(send, bound, f"request body of {size} bytes exceeds {bound.max_bytes}")
                 return
         chunks: list[bytes] = []
         total = 0
@@ -148,6 +187,9 @@ class BodyLimitMiddleware:
             if total > self.max_bytes:
                 await _reply(send, 413, f"request body exceeds {self.max_bytes} bytes", "body_too_large")
                 return
+            if bound is not None and total > bound.max_bytes:
+                await _over(send, bound, f"request body exceeds {bound.max_bytes} bytes")
+                return
             chunks.append(body)
             if not message.get("more_body", False):
                 break
@@ -163,8 +205,14 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Send, status: int, message: str, code: str, close: bool = False) -> None:
-    body = _error_body(message, code)
+async def _over(send: Send, bound: BodyBound, what: str) -> None:
+    await _reply(send, bound.status, f"{what}: {bound.why}", bound.code, param=bound.param)
+
+
+async def _reply(
+    send: Send, status: int, message: str, code: str, close: bool = False, param: str | None = None
+) -> None:
+    body = _error_body(message, code, param)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))

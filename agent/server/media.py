@@ -16,6 +16,7 @@ import binascii
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from PIL import Image
 
@@ -56,6 +57,13 @@ class MediaPolicy:
         )
 
 
+class VideoClip(NamedTuple):
+    """A video's sampled frames and their timestamps (seconds from the stream's start)."""
+
+    frames: list[Image.Image]
+    timestamps: list[float]
+
+
 def load_image_url(url: str, policy: MediaPolicy, limits: ServerLimits) -> Image.Image:
     try:
         return load_image(url, policy.config(limits)).image
@@ -89,7 +97,7 @@ def _video_bytes(url: str, policy: MediaPolicy, limits: ServerLimits) -> bytes:
         raise BadMediaError(f"video: {exc}") from exc
 
 
-def load_video_url(url: str, policy: MediaPolicy, limits: ServerLimits, max_frames: int) -> list[Image.Image]:
+def load_video_url(url: str, policy: MediaPolicy, limits: ServerLimits, max_frames: int) -> VideoClip:
     """Sampled frames of a video, at most ``max_frames`` (the request's remaining frame budget)."""
     from tools.video import (
         FRAME_FACTOR,
@@ -115,15 +123,18 @@ def load_video_url(url: str, policy: MediaPolicy, limits: ServerLimits, max_fram
         max_duration_s=limits.max_video_seconds,
         max_frame_pixels=limits.max_image_pixels,
     )
+    clip = VideoClip([], [])
     with tempfile.NamedTemporaryFile(prefix="kamera-video-", suffix=".bin") as f:
         f.write(data)
         f.flush()
         try:
-            frames = [fr.to_pil() for fr in iter_frames(f.name, sampling, bounds)]
+            for fr in iter_frames(f.name, sampling, bounds):
+                clip.frames.append(fr.to_pil())
+                clip.timestamps.append(float(fr.timestamp))
         except VideoLimitError as exc:
             raise MediaLimitError(f"video: {exc}") from exc
         except VideoError as exc:
             raise BadMediaError(f"video: {exc}") from exc
-    if len(frames) > max_frames:
-        raise MediaLimitError(f"video: {len(frames)} frames exceed the request's limit")
-    return frames
+    if len(clip.frames) > max_frames:
+        raise MediaLimitError(f"video: {len(clip.frames)} frames exceed the request's limit")
+    return clip

@@ -128,7 +128,8 @@ class Metrics:
         self.reuse = Counter(
             "kamera_prompt_tokens_by_reuse",
             "Chat prompt tokens by reuse mode and what happened to them: reused exactly, reused by "
-            "content and repaired, reused by content as stored, recomputed",
+            "content and repaired, reused by content as stored, recomputed, and prefilled again "
+            "when a close call on repaired KV moved decoding to exact KV (fallback)",
             ["mode", "how"],
             registry=r,
         )

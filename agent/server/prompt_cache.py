@@ -1,6 +1,6 @@
 """Content-addressed prompt reuse across chat requests, in one of three reuse modes.
 
-A request's prompt (``chat.render``) becomes *planning units*: one per text token and one per
+A request's prompt becomes *planning units* (``prompt.py``): one per text token and one per
 image, so an image is atomic. An image's unit id is interned from its content key: ids above the
 vocabulary, handed out once and never reused (when they run out the indexes start afresh), so
 two different images never share an id. Store keys never use those ids: they hash an image by
@@ -37,178 +37,60 @@ entry): reused spans point at the entries they came from, nothing is stored twic
 carry the tenant's salt (``Namespace.tenant_salt``): tenants never share an entry, a radix root
 or an index key. A reused span whose entry was evicted becomes a miss and is prefilled again.
 
-Not here: sampling (``generation.py``), threads (``runtime.py``).
+Reused KV and new KV meet in one :class:`~cache.window.Window`, the same the context manager
+places its chunks through: reused parts are written into its arena once (copied bit for bit
+where they were stored at the same position, moved by ``R(δ)`` elsewhere) and the model writes
+the prefilled segments straight after them, so nothing placed is copied again when a miss
+follows a hit.
+
+Not here: prompts, segments and keys (``prompt.py``), sampling (``generation.py``), threads
+(``runtime.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
-import numpy as np
 import torch
 
-from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
-from agent.adapters.vision import VisionAdapter, encoder_calls
-from agent.server.chat import ImagePiece, Piece, TextPiece
+from agent.adapters.base import ImageInput, ModelAdapter
+from agent.adapters.vision import encoder_calls
+from agent.server.prompt import (
+    NoImagesError,
+    Prompt,
+    PromptKeys,
+    Record,
+    TableRow,
+    build_prompt,
+    ids_upto,
+)
+from agent.server.reuse import Finder
+from cache import records
 from cache.index import ContentIndex, RadixTree
-from cache.keys import ContentKey, Namespace, chain_key, span_key, token_bytes
-from cache.layout import ChunkKV, place_window
+from cache.keys import Namespace
+from cache.layout import ChunkKV
 from cache.planner import Plan, Planner, PlannerConfig
 from cache.rope import KERNELS
-from cache.store import Entry, EntryTooLargeError, TieredStore, TierFullError, record_key
+from cache.store import Entry, TieredStore, record_key
+from cache.window import Placement, Window
+
+__all__ = [
+    "REUSE_MODES",
+    "NoImagesError",
+    "Prepared",
+    "Prompt",
+    "PromptCache",
+    "PromptCacheConfig",
+    "PromptUsage",
+    "ReuseMode",
+    "build_prompt",
+]
 
 ReuseMode = Literal["exact", "repair", "fast"]
 REUSE_MODES: tuple[ReuseMode, ...] = get_args(ReuseMode)
-
-
-class NoImagesError(ValueError):
-    """The model takes no image input."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt as planning units. ``tok_off``/``pos_off`` [U + 1]: tokens and positions before
-    each unit (an image's extent is not its token count under M-RoPE)."""
-
-    units: np.ndarray  # [U] int64
-    inputs: tuple[ChunkInput, ...]  # one per piece
-    piece_unit: np.ndarray  # [P + 1] unit offset of each piece
-    tok_off: np.ndarray  # [U + 1]
-    pos_off: np.ndarray  # [U + 1]
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.tok_off[-1])
-
-    @property
-    def n_images(self) -> int:
-        return sum(isinstance(i, ImageInput) for i in self.inputs)
-
-    def cuts(self, block_tokens: int) -> np.ndarray:
-        """Unit offsets where prefill segments may start and end, sorted: 0, the end, every unit
-        that starts on a multiple of ``block_tokens`` tokens, and both edges of every image."""
-        starts = self.tok_off[:-1]
-        edges = [0, len(self.units), *np.flatnonzero(starts % block_tokens == 0).tolist()]
-        for p, inp in enumerate(self.inputs):
-            if isinstance(inp, ImageInput):
-                edges += [int(self.piece_unit[p]), int(self.piece_unit[p + 1])]
-        return np.unique(np.asarray(edges, dtype=np.int64))
-
-    def key_parts(self, a: int, b: int) -> list[np.ndarray | str]:
-        """Units [a, b) as ``span_key`` parts: text token ids, images by content key."""
-        out: list[np.ndarray | str] = []
-        for p, inp in enumerate(self.inputs):
-            s, e = int(self.piece_unit[p]), int(self.piece_unit[p + 1])
-            lo, hi = max(a, s), min(b, e)
-            if lo < hi:
-                out.append(inp.content_key if isinstance(inp, ImageInput) else self.units[lo:hi])
-        return out
-
-    def inputs_between(self, a: int, b: int) -> list[ChunkInput]:
-        """Model inputs covering units [a, b): text of adjacent pieces merged, images whole."""
-        out: list[ChunkInput] = []
-        text: list[torch.Tensor] = []
-        for p, inp in enumerate(self.inputs):
-            s, e = int(self.piece_unit[p]), int(self.piece_unit[p + 1])
-            lo, hi = max(a, s), min(b, e)
-            if lo >= hi:
-                continue
-            if isinstance(inp, ImageInput):
-                if text:
-                    out.append(_text_input(text))
-                    text = []
-                out.append(inp)
-            else:
-                text.append(inp.ids[lo - s : hi - s])
-        if text:
-            out.append(_text_input(text))
-        return out
-
-
-def _text_input(parts: list[torch.Tensor]) -> ChunkInput:
-    return TextInput(torch.cat(parts) if len(parts) > 1 else parts[0])
-
-
-def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece], image_unit: Callable[[str], int]) -> Prompt:
-    """Pieces to model inputs (images preprocessed, not encoded) and planning units."""
-    inputs: list[ChunkInput] = []
-    units: list[int] = []
-    n_tok: list[int] = []
-    ext: list[int] = []
-    piece_unit = [0]
-    for piece in pieces:
-        if isinstance(piece, TextPiece):
-            inputs.append(adapter.text(list(piece.ids)))
-            units.extend(piece.ids)
-            n_tok.extend([1] * len(piece.ids))
-            ext.extend([1] * len(piece.ids))
-        elif isinstance(piece, ImagePiece):
-            if not isinstance(adapter, VisionAdapter):
-                raise NoImagesError(f"model {adapter.info.name} takes no image or video input")
-            inp = adapter.image(piece.image)
-            inputs.append(inp)
-            units.append(image_unit(inp.content_key))
-            n_tok.append(inp.n_tokens)
-            ext.append(adapter.chunk_positions(inp)[1])
-        piece_unit.append(len(units))
-    return Prompt(
-        units=np.asarray(units, dtype=np.int64),
-        inputs=tuple(inputs),
-        piece_unit=np.asarray(piece_unit, dtype=np.int64),
-        tok_off=np.concatenate([[0], np.cumsum(n_tok, dtype=np.int64)]),
-        pos_off=np.concatenate([[0], np.cumsum(ext, dtype=np.int64)]),
-    )
-
-
-def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
-    """Chunks laid end to end, each starting where the previous one's extent ends. Keys of one
-    frame only: all pre-RoPE, or all placed contiguously (the result is placed at the first's)."""
-    if len(parts) == 1:
-        return parts[0]
-    offsets = np.cumsum([0] + [p.extent for p in parts])
-    first = parts[0].placed_at
-    for p, o in zip(parts, offsets, strict=False):
-        if (p.placed_at is None) != (first is None) or (first is not None and p.placed_at != first + int(o)):
-            raise ValueError("concat_kv takes chunks of one frame, laid end to end")
-    return ChunkKV(
-        torch.cat([p.k for p in parts], dim=2),
-        torch.cat([p.v for p in parts], dim=2),
-        torch.cat([p.positions + int(o) for p, o in zip(parts, offsets, strict=False)], dim=-1),
-        int(offsets[-1]),
-        parts[0].family,
-        first,
-    )
-
-
-class TableRow(NamedTuple):
-    """Units [start, end) of a record are the entry at ``key``'s tokens from ``token``, whose
-    positions there count from ``position``; ``tokens``: what the whole entry certifies (the
-    fingerprint of the units it was computed for, :meth:`_Context.fingerprint`)."""
-
-    start: int
-    end: int
-    key: str
-    token: int
-    position: int
-    tokens: str
-
-
-@dataclass(eq=False)
-class Record:
-    """A committed prompt: where the KV of each unit span lives, its unit offsets, and how many
-    leading units hold KV exactly as a full prefill computes it."""
-
-    table: tuple[TableRow, ...]
-    tok_off: np.ndarray
-    pos_off: np.ndarray
-    exact_units: int
 
 
 @dataclass(frozen=True)
@@ -218,7 +100,9 @@ class PromptCacheConfig:
     rope_kernel: rotation kernel (``cache.rope.KERNELS``). max_tenants: planners kept.
     mode: the default reuse mode (module docstring). block_tokens: prefill segment size, the
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
-    than this. repair_ratio: share of a repaired piece's tokens recomputed."""
+    than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
+    greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
+    exact KV (``answer.py``; 0: never)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -229,6 +113,7 @@ class PromptCacheConfig:
     block_tokens: int = 128
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
+    repair_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -240,6 +125,8 @@ class PromptCacheConfig:
             raise ValueError(f"min_reuse_tokens must be at least 1, got {self.min_reuse_tokens}")
         if not 0.0 <= self.repair_ratio <= 1.0:
             raise ValueError(f"repair_ratio must lie in [0, 1], got {self.repair_ratio}")
+        if not 0.0 <= self.repair_margin < float("inf"):
+            raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
 
 
 def check_mode(mode: str) -> ReuseMode:
@@ -259,19 +146,11 @@ class PromptUsage(NamedTuple):
     mode: ReuseMode = "exact"
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
+    fallback_tokens: int = 0  # prefilled again when a too-close call moved decoding to exact KV
 
     @property
     def cached_tokens(self) -> int:
         return self.prefix_tokens + self.relocated_tokens
-
-
-class _Step(NamedTuple):
-    start: int
-    end: int
-    kv: ChunkKV | None  # reused KV (placed or pre-RoPE); None for a miss
-    refs: tuple[TableRow, ...]  # where the reused KV lives, in this prompt's units
-    delta: int
-    exact: bool  # the exact prefix
 
 
 @dataclass
@@ -347,12 +226,13 @@ class PromptCache:
         planner = self.planner(tenant_salt)
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
-        cuts = prompt.cuts(self.config.block_tokens)
-        ctx = _Context(prompt, planner.namespace, cuts)
-        fetched = self._prefetch(prompt, plan, ctx, mode)
-        steps, lost = self._steps(prompt, plan, ctx, mode)
+        keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
+        finder = Finder(self.store, self.config.min_reuse_tokens)
+        fetched = finder.prefetch(prompt, plan, keys, mode)
+        steps, lost = finder.steps(prompt, plan, keys, mode)
         counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired", "shared"), 0)
-        pending: list[tuple[ChunkKV, int]] = []  # reused chunks not yet in the model cache
+        window = Window(self.adapter.spec, self.config.rope_kernel, dims=self.adapter.arena_dims)
+        placed: list[Placement] = []  # the window, in order: reused parts and prefilled segments
         repair: list[tuple[int, int]] = []  # reused unit spans to repair
         rows: list[tuple[TableRow, ChunkKV | None]] = []
         cache: Any = None
@@ -360,8 +240,11 @@ class PromptCache:
         exact_units = 0
         for step in steps:
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
-            if step.kv is not None:
-                pending.append((step.kv, int(prompt.pos_off[step.start])))
+            if step.parts:
+                at = int(prompt.pos_off[step.start])
+                for kv in step.parts:
+                    placed.append(Placement(kv, start=at))
+                    at += kv.extent
                 rows.extend((r, None) for r in step.refs)
                 counts["prefix" if step.exact else "relocated"] += n_tok
                 if fetched:
@@ -375,17 +258,21 @@ class PromptCache:
                 if not step.exact and mode == "repair":
                     repair.append((step.start, step.end))
                 continue
-            cache = self._with(cache, pending)
-            pending = []
+            cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
                 counts["repaired"] += self._repair(prompt, cache, repair)
                 repair = []
             exact = exact_units == step.start
-            for a, b in ctx.segments(step.start, step.end):
+            for a, b in keys.segments(step.start, step.end):
                 (inp,) = prompt.inputs_between(a, b)
                 last = b == len(prompt.units)
-                out = self.adapter.prefill(inp, cache, int(prompt.pos_off[a]), placed=True, last_only=last)
-                row = TableRow(a, b, ctx.store_key(a, b, exact), 0, 0, ctx.fingerprint(a, b))
+                at = int(prompt.pos_off[a])
+                out = self.adapter.prefill(inp, cache, at, placed=True, last_only=last)
+                item = Placement(out.kv, start=at)
+                if not window.adopt(item):
+                    raise RuntimeError("the model did not write its new tokens into the window")
+                placed.append(item)
+                row = TableRow(a, b, keys.store_key(a, b, exact), 0, 0, keys.fingerprint(a, b))
                 rows.append((row, out.kv))
                 counts["prefilled"] += out.kv.n_tokens
                 if last:
@@ -409,15 +296,6 @@ class PromptCache:
             cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
         )
 
-    def _with(self, cache: Any, pending: list[tuple[ChunkKV, int]]) -> Any:
-        """``cache`` (None: a new one) with the ``pending`` reused chunks appended, placed."""
-        if not pending:
-            return cache if cache is not None else self.adapter.empty_cache()
-        k, v = place_window(pending, self.adapter.spec, self.config.rope_kernel)
-        if cache is None:
-            return self.adapter.new_cache([(k, v)])
-        self.adapter.append_placed(cache, k, v)
-        return cache
 
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> int:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
@@ -431,214 +309,12 @@ class PromptCache:
         if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
             return 0
         n = self.adapter.cache_length(cache)
-        ids = _ids_upto(prompt, n)
+        ids = ids_upto(prompt, n)
         candidates = torch.cat(
             [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
         )
         positions = torch.arange(n, dtype=torch.int64)
         return recompute_into(self.adapter, cache, ids, positions, DeviationSelection(ratio, candidates))
-
-    def _steps(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> tuple[list[_Step], int]:
-        """The plan as steps, reused KV fetched: the exact prefix cut back to a segment edge
-        (and carried on by the keys of the segments after it, which the store may hold from
-        before a restart or from another process), then what ``mode`` reuses by content;
-        misses merged; the last unit always a miss."""
-        n_units, cuts = len(prompt.units), ctx.cuts
-        segments = [(at, seg) for at, seg in _offsets(plan.prefix) if isinstance(seg.payload, Record)]
-        limit = min(plan.prefix_len, n_units - 1)
-        kv, refs, got = self._fetch_prefix(segments, 0, limit)
-        edge = _cut_back(cuts, got)
-        lost = int(got < limit and _cut_back(cuts, limit) > edge)
-        parts = [kv.sliced(0, int(prompt.tok_off[edge]), 0, int(prompt.pos_off[edge]))] if edge and kv else []
-        rows = list(_clip(refs, edge)) if parts else []
-        edge = edge if parts else 0
-        for a, b in ctx.segments(edge, n_units - 1):
-            if b != _cut_back(cuts, b):  # the segment ending before the last unit is not whole
-                break
-            key = ctx.store_key(a, b, exact=True)
-            tokens = ctx.fingerprint(a, b)
-            found = self._entry_kv(key, tokens) if key in self.store else None
-            if found is None or found.placed_at != int(prompt.pos_off[a]) or not _fits(prompt, a, b, found):
-                break
-            parts.append(found)
-            rows.append(TableRow(a, b, key, 0, 0, tokens))
-            edge = b
-        steps: list[_Step] = []
-        if edge > 0:
-            steps.append(_Step(0, edge, concat_kv(parts), tuple(rows), 0, True))
-        for c in plan.chunks:
-            s, e = max(c.start, edge), min(c.end, n_units)
-            if s >= e:
-                continue
-            if e == n_units:
-                e -= 1
-            big = prompt.tok_off[e] - prompt.tok_off[s] >= self.config.min_reuse_tokens
-            if mode == "exact" or e <= s or not (mode == "fast" or big) or c.status == "prefix-hit":
-                steps.append(_Step(s, c.end, None, (), 0, False))
-                continue
-            reused, delta = None, 0
-            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
-                src = c.source_start + s - c.start
-                reused = self._fetch(c.payload, src, src + e - s, s - src, int(prompt.pos_off[s]))
-                delta = c.start - c.source_start
-                lost += int(reused is None)
-            elif s == c.start:  # not in the indexes: the store may hold it from another process
-                alias = self._alias(ctx, c.start, c.end)
-                if alias is not None:
-                    reused = self._fetch(alias, 0, e - s, s, int(prompt.pos_off[s]))
-            if reused is not None and not _fits(prompt, s, e, reused[0]):
-                reused = None
-            if reused is None:
-                steps.append(_Step(s, c.end, None, (), 0, False))
-                continue
-            steps.append(_Step(s, e, reused[0], reused[1], delta, False))
-            if e < c.end:
-                steps.append(_Step(e, c.end, None, (), 0, False))
-        return _merge_misses(steps), lost
-
-    def _fetch_prefix(
-        self, segments: list[tuple[int, Any]], a: int, b: int
-    ) -> tuple[ChunkKV | None, list[TableRow], int]:
-        """KV of units [a, b) from the radix segments, as far as the store still has it."""
-        parts: list[ChunkKV] = []
-        refs: list[TableRow] = []
-        got = a
-        for at, seg in segments:
-            lo, hi = max(a, at), min(b, at + seg.length)
-            if lo >= hi:
-                continue
-            if lo != got:
-                break
-            rec = seg.payload
-            src = seg.offset + lo - at
-            part = self._fetch(rec, src, seg.offset + hi - at, at - seg.offset, int(rec.pos_off[src]), True)
-            if part is None:
-                break
-            parts.append(part[0])
-            refs.extend(part[1])
-            got = lo + _units_of(part[1])
-            if got < hi:
-                break
-        return (concat_kv(parts) if parts else None), refs, got
-
-    def _fetch(
-        self, rec: Record, a: int, b: int, shift: int, at: int, partial: bool = False
-    ) -> tuple[ChunkKV, tuple[TableRow, ...]] | None:
-        """KV of units [a, b) of ``rec``, placed to start at position ``at``, and its rows moved
-        by ``shift`` units; None if any entry is gone (``partial``: what is there from ``a`` on,
-        None if nothing)."""
-        parts: list[ChunkKV] = []
-        refs: list[TableRow] = []
-        for row in rec.table:
-            if row.end <= a or row.start >= b:
-                continue
-            lo, hi = max(a, row.start), min(b, row.end)
-            kv = self._entry_kv(row.key, row.tokens)
-            t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
-            t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
-            if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
-                if partial and parts:
-                    break
-                return None
-            p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
-            parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
-            refs.append(TableRow(lo + shift, hi + shift, row.key, t0, p0, row.tokens))
-        if not parts or (not partial and refs[-1].end - shift != b) or refs[0].start - shift != a:
-            return None
-        return self._join(parts, at), tuple(refs)
-
-    def _join(self, parts: list[ChunkKV], at: int) -> ChunkKV:
-        """Parts laid end to end as one chunk placed at ``at``: each part already placed there is
-        kept bit for bit, others are moved straight from their own frame (one rotation each)."""
-        from cache.rope import relocate, rotate
-
-        spec, kernel = self.adapter.spec, self.config.rope_kernel
-        out, offset = [], 0
-        for kv in parts:
-            target = at + offset
-            if kv.placed_at is None:
-                k = rotate(kv.k, kv.placed_positions(target), spec, kernel)
-            elif kv.placed_at != target:
-                k = relocate(kv.k, target - kv.placed_at, spec, kernel)
-            else:
-                k = kv.k
-            out.append(ChunkKV(k, kv.v, kv.positions, kv.extent, kv.family, target))
-            offset += kv.extent
-        return concat_kv(out)
-
-    def _prefetch(self, prompt: Prompt, plan: Plan, ctx: _Context, mode: ReuseMode) -> frozenset[str]:
-        """Two round trips to the store's shared tier (Redis), for what this prompt may reuse and
-        no local tier holds: the keys of its exact prefix's segments and of the rows its radix
-        and content hits point at, the aliases of its misses, then the rows those aliases point
-        at. Returns the keys brought in (another replica's work)."""
-        if getattr(self.store, "shared", None) is None:
-            return frozenset()
-        n_units = len(prompt.units)
-        keys = [
-            ctx.store_key(a, b, exact=True)
-            for a, b in ctx.segments(0, n_units - 1)
-            if b == _cut_back(ctx.cuts, b)
-        ]
-        for _, seg in _offsets(plan.prefix):
-            if isinstance(seg.payload, Record):
-                keys += [
-                    r.key
-                    for r in seg.payload.table
-                    if r.end > seg.offset and r.start < seg.offset + seg.length
-                ]
-        aliases = []
-        for c in plan.chunks:
-            if mode == "exact":
-                break
-            if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
-                lo, hi = c.source_start, c.source_start + c.n_tokens
-                keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
-            elif c.status == "miss":
-                aliases.append(record_key(ctx.content_key(c.start, c.end).hex, "alias"))
-        fetched = set(self.store.prefetch([*keys, *aliases]))
-        rows = []
-        for key in aliases:
-            entry = self.store.get(key) if key in fetched else None
-            if entry is not None:
-                rows += [str(r[2]) for r in entry.meta.get("rows", ()) if isinstance(r, list) and len(r) > 2]
-        if rows:
-            fetched |= self.store.prefetch(rows)
-        return frozenset(fetched)
-
-    def _alias(self, ctx: _Context, a: int, b: int) -> Record | None:
-        """The stored alias of units [a, b) by their content alone: where some prompt, in this
-        process or another, keeps their KV (computed after its own antecedents)."""
-        entry = self.store.get(record_key(ctx.content_key(a, b).hex, "alias"), ctx.fingerprint(a, b))
-        if entry is None:
-            return None
-        meta = entry.meta
-        try:
-            table = tuple(
-                TableRow(int(r[0]), int(r[1]), str(r[2]), int(r[3]), int(r[4]), str(r[5]))
-                for r in meta["rows"]
-            )
-            tok, pos = np.asarray(meta["tok_off"], np.int64), np.asarray(meta["pos_off"], np.int64)
-        except (KeyError, TypeError, ValueError, IndexError):
-            return None
-        if len(tok) != b - a + 1 or len(pos) != b - a + 1:
-            return None
-        return Record(table, tok, pos, 0)
-
-    def _entry_kv(self, key: str, tokens: str) -> ChunkKV | None:
-        """The KV filed under ``key``, if the store has it and it certifies ``tokens``."""
-        entry = self.store.get(key, tokens)
-        if entry is None:
-            return None
-        t, meta = entry.tensors, entry.meta
-        at = meta.get("placed_at")
-        return ChunkKV(
-            t["k"],
-            t["v"],
-            t["positions"],
-            int(meta["extent"]),
-            meta["family"],
-            None if at is None else int(at),
-        )
 
     # --- commit: store new segments, index the prompt -----------------------------------
 
@@ -651,19 +327,7 @@ class PromptCache:
         for row, kv in prepared.rows:
             if kv is None or row.key in self.store:
                 continue
-            entry = Entry(
-                {"k": kv.k, "v": kv.v, "positions": kv.positions},
-                {
-                    "n_tokens": kv.n_tokens,
-                    "extent": kv.extent,
-                    "family": kv.family,
-                    "placed_at": kv.placed_at,
-                },
-                tokens=row.tokens,
-            )
-            with contextlib.suppress(EntryTooLargeError, TierFullError):
-                self.store.put(row.key, entry)
-                written += 1
+            written += records.put_kv(self.store, row.key, kv, row.tokens)
         prompt = prepared.prompt
         record = Record(
             tuple(row for row, _ in prepared.rows), prompt.tok_off, prompt.pos_off, prepared.exact_units
@@ -679,7 +343,7 @@ class PromptCache:
     def _write_aliases(self, prepared: Prepared, record: Record) -> int:
         """An alias entry per chunk large enough to be reused by content (no tensors: the rows
         of ``record`` that hold it), so another process finds it by its content key."""
-        ctx = _Context(prepared.prompt, prepared.planner.namespace, np.zeros(1, np.int64))
+        ctx = PromptKeys(prepared.prompt, prepared.planner.namespace)
         written = 0
         for c in prepared.plan.chunks:
             a, b = c.start, c.end
@@ -708,95 +372,8 @@ class PromptCache:
                 "tok_off": (record.tok_off[a : b + 1] - record.tok_off[a]).tolist(),
                 "pos_off": (record.pos_off[a : b + 1] - record.pos_off[a]).tolist(),
             }
-            with contextlib.suppress(EntryTooLargeError, TierFullError):
-                self.store.put(key, Entry({}, meta, tokens=ctx.fingerprint(a, b)))
-                written += 1
+            written += records.put(self.store, key, Entry({}, meta, tokens=ctx.fingerprint(a, b)))
         return written
-
-
-class _Context:
-    """Segments and context-chained store keys of one prompt."""
-
-    def __init__(self, prompt: Prompt, namespace: Namespace, cuts: np.ndarray) -> None:
-        self.prompt, self.namespace, self.cuts = prompt, namespace, cuts
-        self._chain: dict[int, ContentKey | None] = {0: None}
-
-    def segments(self, a: int, b: int) -> list[tuple[int, int]]:
-        inner = self.cuts[(self.cuts > a) & (self.cuts < b)].tolist()
-        edges = [a, *inner, b]
-        return list(itertools.pairwise(edges))
-
-    def _span(self, a: int, b: int) -> ContentKey:
-        return span_key(self.namespace, self.prompt.key_parts(a, b))
-
-    def fingerprint(self, a: int, b: int) -> str:
-        """What an entry of units [a, b) certifies: their token ids and images' content keys."""
-        h = hashlib.blake2b(digest_size=16, person=b"kamera-entry")
-        for part in self.prompt.key_parts(a, b):
-            h.update(b"i" + part.encode() if isinstance(part, str) else b"t" + token_bytes(part))
-        return h.hexdigest()
-
-    def content_key(self, a: int, b: int) -> ContentKey:
-        """Key of units [a, b) by their content alone (images by content key)."""
-        return self._span(a, b)
-
-    def context(self, a: int) -> ContentKey | None:
-        """Key of units [0, a): chained over the segment edges, so it depends on content only."""
-        c = int(self.cuts[np.searchsorted(self.cuts, a, side="right") - 1])
-        if c not in self._chain:
-            i = int(np.searchsorted(self.cuts, c))
-            known = max(j for j in range(i + 1) if int(self.cuts[j]) in self._chain)
-            for j in range(known, i):
-                lo, hi = int(self.cuts[j]), int(self.cuts[j + 1])
-                self._chain[hi] = chain_key(self._chain[lo], self._span(lo, hi))
-        base = self._chain[c]
-        return base if c == a else chain_key(base, self._span(c, a))
-
-    def store_key(self, a: int, b: int, exact: bool) -> str:
-        key = chain_key(self.context(a), self._span(a, b))
-        return record_key(key.hex, "exact" if exact else "approx")
-
-
-def _offsets(segments: Sequence[Any]) -> list[tuple[int, Any]]:
-    out, at = [], 0
-    for seg in segments:
-        out.append((at, seg))
-        at += seg.length
-    return out
-
-
-def _units_of(rows: Sequence[TableRow]) -> int:
-    return sum(r.end - r.start for r in rows)
-
-
-def _clip(rows: Sequence[TableRow], end: int) -> tuple[TableRow, ...]:
-    return tuple(r if r.end <= end else r._replace(end=end) for r in rows if r.start < end)
-
-
-def _cut_back(cuts: np.ndarray, at: int) -> int:
-    return int(cuts[np.searchsorted(cuts, at, side="right") - 1])
-
-
-def _fits(prompt: Prompt, s: int, e: int, kv: ChunkKV) -> bool:
-    return bool(
-        kv.n_tokens == prompt.tok_off[e] - prompt.tok_off[s]
-        and kv.extent == prompt.pos_off[e] - prompt.pos_off[s]
-    )
-
-
-def _merge_misses(steps: list[_Step]) -> list[_Step]:
-    out: list[_Step] = []
-    for st in steps:
-        if st.kv is None and out and out[-1].kv is None and out[-1].end == st.start:
-            out[-1] = out[-1]._replace(end=st.end)
-        else:
-            out.append(st)
-    return out
-
-
-def _ids_upto(prompt: Prompt, n_tokens: int) -> torch.Tensor:
-    parts = [inp.ids for inp in prompt.inputs]
-    return torch.cat(parts)[:n_tokens] if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def elapsed_ms(t0: float) -> float:

@@ -25,14 +25,16 @@ from agent.adapters.vision import VisionAdapter
 from agent.context import WindowConfig
 from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
+from agent.server.answer import answer
 from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
-from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
+from agent.server.generation import Decoded, SamplingParams, TextCallback
 from agent.server.limits import ServerLimits
 from agent.server.media import MediaPolicy
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
 from agent.server.scheduler import ModelWorker
 from agent.server.sessions import Session, SessionManager
 from agent.server.token_bound import TokenBound
+from agent.window_ops import WindowOp, apply
 from cache.store import StoreConfig, TieredStore
 
 T = TypeVar("T")
@@ -178,6 +180,20 @@ class Runtime:
                 f"{what} has at least {least} tokens (from its length), over the limit of {limit}"
             )
 
+    def chat_body_bytes(self) -> int | None:
+        """The most bytes a chat request's JSON body can take and still be a prompt this server
+        serves: ``max_prompt_tokens * json_bytes_per_token + prompt_body_allowance``. None when
+        there is no such bound: the model takes images (a data URL is any size up to the image
+        limits), or the tokenizer gives no bound and the limits name none."""
+        if self.takes_images:
+            return None
+        per_token = self.limits.prompt_json_bytes_per_token
+        if not per_token and self.token_bound is not None:
+            per_token = self.token_bound.json_bytes_per_token
+        if not per_token:
+            return None
+        return self.limits.max_prompt_tokens * per_token + self.limits.prompt_body_allowance
+
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] = ()) -> list[Piece]:
         """The prompt's pieces (``tools``: function definitions rendered into it), tokenized by
         the calling thread (not the model's); PromptTooLongError when its text alone exceeds
@@ -214,25 +230,12 @@ class Runtime:
                     f"the prompt has {prompt.n_tokens} tokens, over max_prompt_tokens="
                     f"{self.limits.max_prompt_tokens}"
                 )
-            prepared = self.prompt_cache.prepare(prompt, tenant_salt, mode)
-            if on_start is not None:
-                on_start()
-            try:
-                decoded = decode(
-                    self.adapter,
-                    prepared.logits,
-                    prepared.cache,
-                    prepared.position,
-                    params,
-                    cancel,
-                    on_text,
-                    constraint,
-                )
-            finally:
-                prepared.cache = None  # the request's own cache is not kept
-                self.prompt_cache.commit(prepared)
+            out = answer(
+                self.prompt_cache, prompt, tenant_salt, mode, params, cancel, on_text, constraint, on_start
+            )
+            decoded = out.decoded
         ttft = (decoded.first_token_at - t0) if decoded.first_token_at else time.perf_counter() - t0
-        return ChatOutcome(decoded, prepared.usage, ttft, time.perf_counter() - t0)
+        return ChatOutcome(decoded, out.usage, ttft, time.perf_counter() - t0)
 
     def new_agent(
         self, system_prompt: str, budget_tokens: int, policy: str, max_tokens: int, salt: str
@@ -251,7 +254,7 @@ class Runtime:
     def step(
         self,
         session: Session,
-        operations: Sequence[tuple[str, Any]],
+        operations: Sequence[WindowOp],
         observations: Sequence[Observation],
         instruction: str,
         max_tokens: int | None,
@@ -259,14 +262,8 @@ class Runtime:
         """Apply window operations in order, then one agent step; under the session's lock."""
         with session.lock, torch.inference_mode():
             cm = session.agent.context
-            for op, arg in operations:
-                if op == "slide":
-                    cm.slide(int(arg))
-                elif op == "reorder":
-                    cm.reorder(list(arg))
-                elif op == "recall":
-                    chunk_id, at = arg
-                    cm.recall(chunk_id, at)
+            for op in operations:
+                apply(cm, op)
             result = session.agent.step(observations, instruction, max_tokens)
             session.steps += 1
             return result

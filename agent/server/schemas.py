@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agent.window_ops import Recall, Reorder, Slide
+
 # Whether the request being validated may carry unknown fields (dropped), per app.
 LENIENT_FIELDS: ContextVar[bool] = ContextVar("kamera_lenient_fields", default=False)
 
@@ -222,6 +224,7 @@ class CacheReport(BaseModel):
     lost_entries: int
     vision_encoder_calls: int
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
+    fallback_tokens: int = 0  # prefilled again when a close call on repaired KV moved decoding to exact KV
     queue_ms: float
     ttft_ms: float
     total_ms: float
@@ -271,12 +274,15 @@ class SessionCreate(RequestModel):
     cache_salt: str | None = Field(default=None, max_length=256)
 
 
-class TextObs(RequestModel):
-    type: Literal["text"]
+class TextObs(TextPart):
+    """A text observation: chat's text part, not empty."""
+
     text: str = Field(min_length=1)
 
 
 class ImageObs(RequestModel):
+    """An image observation in the session form (``image_url`` a string, a ``label`` before it)."""
+
     type: Literal["image"]
     image_url: str = Field(min_length=1)
     label: str = ""
@@ -288,17 +294,24 @@ class FramesObs(RequestModel):
     timestamps: list[float] | None = None
 
 
-Observation = Annotated[TextObs | ImageObs | FramesObs, Field(discriminator="type")]
+# Chat's content parts (text, image_url, video_url) or the session forms (image, frames).
+Observation = Annotated[TextObs | ImagePart | VideoPart | ImageObs | FramesObs, Field(discriminator="type")]
 
 
 class SlideOp(RequestModel):
     op: Literal["slide"]
     n: int = Field(default=1, ge=0)
 
+    def typed(self) -> Slide:
+        return Slide(self.n)
+
 
 class ReorderOp(RequestModel):
     op: Literal["reorder"]
     order: list[str]
+
+    def typed(self) -> Reorder:
+        return Reorder(tuple(self.order))
 
 
 class RecallOp(RequestModel):
@@ -306,14 +319,17 @@ class RecallOp(RequestModel):
     chunk_id: str = Field(min_length=1)
     at: int | None = Field(default=None, ge=1)
 
+    def typed(self) -> Recall:
+        return Recall(self.chunk_id, self.at)
 
-WindowOp = Annotated[SlideOp | ReorderOp | RecallOp, Field(discriminator="op")]
+
+WindowOpIn = Annotated[SlideOp | ReorderOp | RecallOp, Field(discriminator="op")]
 
 
 class StepRequest(RequestModel):
     observations: list[Observation] = Field(default_factory=list)
     instruction: str = Field(min_length=1)
-    operations: list[WindowOp] = Field(default_factory=list)
+    operations: list[WindowOpIn] = Field(default_factory=list)
     max_tokens: int | None = Field(default=None, ge=1)
 
 

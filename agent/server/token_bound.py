@@ -10,6 +10,11 @@ text before tokenization (NFC composes at most 4 code points into one), so a tok
 gets that factor of slack. ``len`` is O(1); the byte count costs one encode, done only when the
 character bound did not already decide.
 
+The same bound read the other way bounds a prompt's JSON: a text of ``n`` tokens has at most
+``n * bytes_per_token`` UTF-8 bytes, and JSON spends at most :data:`JSON_ESCAPE_BYTES` bytes on
+each (a control byte is ``\\u001f``; a character of k bytes written as ``\\uXXXX`` escapes takes
+at most 3k), so its JSON string takes at most ``n * json_bytes_per_token`` bytes.
+
 Not here: the exact count (``runtime.py`` tokenizes off the model thread and counts).
 """
 
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 NORMALIZER_SLACK = 4
+JSON_ESCAPE_BYTES = 6  # the most bytes JSON writes for one UTF-8 byte of a string
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,11 @@ class TokenBound:
     def __post_init__(self) -> None:
         if self.chars_per_token < 1 or self.bytes_per_token < 1:
             raise ValueError("chars_per_token and bytes_per_token must be at least 1")
+
+    @property
+    def json_bytes_per_token(self) -> int:
+        """The most bytes of a JSON string (escapes included) one token's text can take."""
+        return JSON_ESCAPE_BYTES * self.bytes_per_token
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenBound | None:

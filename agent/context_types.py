@@ -1,0 +1,165 @@
+"""The context manager's vocabulary: where a window chunk's KV came from, the window's config,
+what a user sees of a chunk, what the window did (counters), and its slots (a chunk's placement
+in the window with what the manager knows of it).
+
+Not here: the operations (``agent/context.py``), what a chunk leaves in the store
+(``agent/keep.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal, NamedTuple
+
+from agent.adapters.base import ChunkInput, ImageInput
+from cache.patch import PatchConfig
+from cache.rank import rank_strategy
+from cache.rope import KERNELS
+from cache.window import Placement
+
+
+class Source(StrEnum):
+    """Where a window chunk's KV came from."""
+
+    PREFIX = "prefix"  # the pinned prefix, prefilled once at position 0
+    PREFILLED = "prefilled"  # prefilled in this window: exact conditioned KV
+    ROTATED = "rotated"  # a survivor of a slide or reorder: its conditioned KV, moved
+    PATCHED = "canonical+patch"  # recalled: canonical + the patch for its original antecedents
+    ORBIT = "canonical+orbit"  # reordered: canonical + the orbit patch of the window's set
+    CANONICAL = "canonical"  # no patch found: canonical KV alone (blind reuse)
+    CONDITIONED = "conditioned"  # recalled: its stored conditioned KV (exact for its old antecedents)
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted
+    and stored. rope_kernel: rotation kernel name (``cache.rope.KERNELS``). headroom_tokens: spare
+    room kept after the window in its buffer for a step's new tokens (it grows if a step needs
+    more). max_offset: the largest position shift of the window in the live cache (default: the
+    budget; 0 keeps the window at position 0, rotating survivors on every slide). orbit_orderings:
+    orderings sampled per orbit fit. keep: what an evicted chunk leaves in the store:
+    ``canonical+patch`` (its canonical KV, shared by every context it appears in, plus a small
+    patch for its antecedents; one extra forward pass of the chunk alone) or ``conditioned``
+    (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
+    context; for streams such as video where content rarely repeats in another context).
+    reuse: how a step answers on the window: ``repair`` (the window's KV, moved and patched, with
+    decoding guarded: a greedy step closer than ``repair_margin`` goes to a fresh prefill of the
+    window, :meth:`ContextManager.fresh_cache`), ``fast`` (the window's KV, unguarded) or
+    ``exact`` (every step on a fresh prefill of the window: what re-prefilling pays, vision
+    features still reused by content)."""
+
+    budget_tokens: int = 4096
+    patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
+    rope_kernel: str = "auto"
+    headroom_tokens: int = 256
+    max_offset: int | None = None
+    orbit_orderings: int = 4
+    tenant_salt: str = ""
+    keep: str = "canonical+patch"
+    reuse: str = "repair"
+    repair_margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.keep not in ("canonical+patch", "conditioned"):
+            raise ValueError(f"keep must be 'canonical+patch' or 'conditioned', got {self.keep!r}")
+        if self.budget_tokens <= 0:
+            raise ValueError(f"budget_tokens must be positive, got {self.budget_tokens}")
+        if self.headroom_tokens < 0 or (self.max_offset is not None and self.max_offset < 0):
+            raise ValueError("headroom_tokens and max_offset must not be negative")
+        if self.orbit_orderings < 1:
+            raise ValueError("orbit_orderings must be at least 1")
+        if self.reuse not in ("exact", "repair", "fast"):
+            raise ValueError(f"reuse must be 'exact', 'repair' or 'fast', got {self.reuse!r}")
+        if not 0.0 <= self.repair_margin < float("inf"):
+            raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
+        if self.rope_kernel not in KERNELS:
+            raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One chunk of the window as a user sees it."""
+
+    chunk_id: str
+    kind: str
+    n_tokens: int
+    extent: int
+    start: int
+    source: Source
+    meta: dict[str, Any]
+
+
+@dataclass
+class Counters:
+    """What the window did, cumulatively. ``tokens_reused``: window tokens that a step's new
+    tokens attended to without recomputing them (kept by whoever runs the steps)."""
+
+    tokens_prefilled: int = 0
+    tokens_reused: int = 0
+    tokens_rotated: int = 0
+    patches_applied: int = 0
+    patches_fitted: int = 0
+    canonical_encodes: int = 0
+    fresh_prefills: int = 0  # steps answered on a fresh prefill of the window (exact, or a fallback)
+    fresh_tokens: int = 0  # tokens those prefilled
+    recompute_on_miss: int = 0
+    assemblies: int = 0
+    rebuilds: int = 0
+    slides: int = 0
+    chunks_evicted: int = 0
+    fit_ms: float = 0.0
+    assemble_ms: float = 0.0
+
+
+def context_key(chunk_ids: Iterable[str]) -> str:
+    h = hashlib.blake2b(b"kamera.context.v1", digest_size=20)
+    for cid in chunk_ids:
+        h.update(cid.encode() + b"\x00")
+    return h.hexdigest()
+
+
+def set_key(chunk_ids: Iterable[str]) -> str:
+    return "set-" + context_key(sorted(chunk_ids))
+
+
+class RecallError(KeyError):
+    """The chunk was never in this window, or is in it now."""
+
+
+class Ensured(NamedTuple):
+    """What :meth:`ContextManager.ensure` did: the chunk's id and how it got its place."""
+
+    chunk_id: str
+    how: Literal["present", "moved", "recalled", "appended"]
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What an evicted chunk leaves behind: enough to find (or, on a store miss, rebuild) its KV."""
+
+    chunk_id: str
+    input: ChunkInput
+    context_key: str
+    meta: dict[str, Any]
+
+
+@dataclass(eq=False, kw_only=True)  # a slot is itself: the same chunk may sit in the window twice
+class Slot(Placement):
+    """A window chunk: its placement (``kv``: the pre-RoPE KV this window uses for it) and what
+    the context manager knows of it."""
+
+    chunk_id: str
+    input: ChunkInput
+    source: Source
+    context_key: str  # the antecedents it was prefilled after (its patch's key)
+    meta: dict[str, Any]
+    finalized: bool = False
+
+
+def slot_kind(slot: Slot) -> str:
+    if slot.source == Source.PREFIX:
+        return "prefix"
+    return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))

@@ -1,0 +1,104 @@
+"""Guarded decoding on repaired KV: a close call moves decoding to exact KV, and the answer is a
+full prefill's (tiny random model, greedy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from agent.server.answer import answer
+from agent.server.generation import SamplingParams, decode
+from agent.server.prompt_cache import PromptCache
+from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
+
+PARAMS = SamplingParams(max_tokens=24)
+FIRST = chat("Now: 1")
+MOVED = chat("Now: a much longer first line, which shifts all that follows")
+
+
+class Scripted:
+    """A guard that lets the first ``quiet`` steps through and then calls every step too close."""
+
+    def __init__(self, pc: PromptCache, prompt: Any, quiet: int) -> None:
+        self.pc, self.prompt, self.quiet, self.steps, self.escalations = pc, prompt, quiet, 0, 0
+
+    @property
+    def margin(self) -> float:
+        self.steps += 1
+        return float("-inf") if self.steps <= self.quiet else float("inf")
+
+    def exact(self) -> tuple[Any, Any, int]:
+        self.escalations += 1
+        ex = self.pc.prepare(self.prompt, "", "exact")
+        return ex.cache, ex.logits, ex.position
+
+
+def _greedy(pc: PromptCache, prepared: Any, **kw: Any) -> Any:
+    cache, position = prepared.cache, prepared.position
+    return decode(pc.adapter, prepared.logits, cache, position, PARAMS, threading.Event(), **kw)
+
+
+def _setup(llama: Any) -> tuple[PromptCache, Any, list[int], list[int], int]:  # noqa: F811
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    moved = prompt_of(pc, MOVED)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    blind = _greedy(pc, pc.prepare(moved, mode="fast")).tokens
+    first_diff = next(i for i, (a, b) in enumerate(zip(blind, reference, strict=False)) if a != b)
+    return pc, moved, reference, blind, first_diff
+
+
+def test_a_close_call_after_a_divergence_rewinds_to_the_exact_answer(llama: Any) -> None:  # noqa: F811
+    pc, moved, reference, _, d = _setup(llama)
+    assert d + 2 < PARAMS.max_tokens  # blind reuse changed the answer early: there is something to mend
+    guard = Scripted(pc, moved, quiet=d + 2)
+    out = _greedy(pc, pc.prepare(moved, mode="fast"), guard=guard)
+    assert guard.escalations == 1
+    assert out.escalated_at == d + 2
+    assert out.diverged == 0
+    assert out.tokens == reference
+
+
+def test_text_already_streamed_is_kept_and_what_differs_is_counted(llama: Any) -> None:  # noqa: F811
+    pc, moved, _, blind, d = _setup(llama)
+    sent: list[str] = []
+    guard = Scripted(pc, moved, quiet=d + 2)
+    out = _greedy(pc, pc.prepare(moved, mode="fast"), guard=guard, on_text=lambda t, _: sent.append(t))
+    assert out.tokens[: d + 2] == blind[: d + 2]
+    assert out.diverged == 2
+    assert "".join(sent) == out.text
+
+
+def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:  # noqa: F811
+    pc, moved, _, _, _ = _setup(llama)
+    guard = Scripted(pc, moved, quiet=0)
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+    prepared = pc.prepare(moved, mode="fast")
+    cache, position = prepared.cache, prepared.position
+    out = decode(llama, prepared.logits, cache, position, params, threading.Event(), guard=guard)
+    assert guard.escalations == 0
+    assert out.escalated_at is None
+
+
+def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811
+    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=1e9))
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    moved = prompt_of(pc, MOVED)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    out = answer(pc, moved, "", "repair", PARAMS)
+    assert out.usage.relocated_tokens > 0
+    assert out.decoded.escalated_at == 0
+    assert out.usage.fallback_tokens > 0
+    assert out.decoded.tokens == reference
+    again = pc.prepare(moved, "", "exact")  # what was committed is exact KV: its prefix is found
+    assert again.usage.prefix_tokens > 0.9 * moved.n_tokens - pc.config.block_tokens
+
+
+def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
+    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=0.0))
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    out = answer(pc, prompt_of(pc, MOVED), "", "repair", PARAMS)
+    assert out.usage.relocated_tokens > 0
+    assert out.decoded.escalated_at is None
+    assert out.usage.fallback_tokens == 0
