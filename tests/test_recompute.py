@@ -14,6 +14,7 @@ from agent.recompute import (
     recompute_into,
     selective_recompute,
 )
+from cache.arena import KVArena
 from tests._util import max_rel
 
 PREFIX, CHUNK = 6, 14
@@ -144,3 +145,22 @@ def test_models_whose_layers_cannot_run_on_rows_say_so() -> None:
         recompute_into(qwen3, cache, ids, torch.arange(6).expand(3, -1), FixedSelection(torch.arange(2)))
     assert load_adapter("tiny:llama-gqa").supports_recompute
     assert not load_adapter("tiny:deepseek-mla").supports_recompute
+
+
+def test_recompute_into_an_arena_cache_survives_the_next_forward(llama: ModelAdapter) -> None:
+    """A window's cache shows its arena: the recomputed rows are written into the arena, so the
+    next forward (which shows the arena's tokens again) still attends to them."""
+    ids, _, _, k, v = _setup(llama)
+    n = ids.numel()
+    arena = KVArena(k.shape[0], (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), capacity=n + 8)
+    arena.k[:, :, :n], arena.v[:, :, :n] = k, v
+    arena.reset(n)
+    cache = llama.new_cache(arena)
+    sel = FixedSelection(torch.arange(PREFIX, n))
+    recompute_into(llama, cache, ids, torch.arange(n), sel)
+    want = selective_recompute(llama, ids, torch.arange(n), k, v, sel)
+    assert torch.equal(arena.k[:, :, :n], want.k)
+    probe = llama.text(torch.tensor([5, 6, 7]))
+    got = llama.prefill(probe, cache, n).logits
+    torch.testing.assert_close(got, llama.prefill(probe, llama.new_cache([(want.k, want.v)]), n).logits)
+    assert torch.equal(llama.layer_kv(cache, 1)[0][:, :n], want.k[1])
