@@ -8,13 +8,13 @@ Not here: the operations (``agent/context.py``), what a chunk leaves in the stor
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 from agent.adapters.base import ChunkInput, ImageInput
+from cache.keys import digest_key
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
 from cache.rope import KERNELS
@@ -115,10 +115,7 @@ class Counters:
 
 
 def context_key(chunk_ids: Iterable[str]) -> str:
-    h = hashlib.blake2b(b"kamera.context.v1", digest_size=20)
-    for cid in chunk_ids:
-        h.update(cid.encode() + b"\x00")
-    return h.hexdigest()
+    return digest_key("context", [cid.encode() for cid in chunk_ids]).hex
 
 
 def set_key(chunk_ids: Iterable[str]) -> str:

@@ -1,4 +1,7 @@
-"""``kamera bench NAME``: each benchmark is a module with ``main(argv) -> int``; JSON out with --json."""
+"""``kamera bench NAME``: benchmarks (relocation, fidelity, ttft, traces, consistency, replicas, ...).
+
+Each benchmark is a module with ``main(argv) -> int``; JSON out with --json.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "cached answers against a full prefill, per context policy and reuse mode",
     ),
     "replicas": ("bench.replicas", "agent traces round-robin over 1, 2, 4 replicas, with and without Redis"),
+    "store-share": (
+        "bench.store_share",
+        "kamera serve processes on one store directory, against one process and separate directories",
+    ),
 }
 
 

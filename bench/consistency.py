@@ -48,7 +48,9 @@ from agent.server.answer import answer
 from agent.server.chat import Message, render
 from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
-from bench.traces_data import get_policy, load_sessions, message_body
+from bench.traces_data import load_sessions
+from bench.traces_policies import get_policy
+from bench.traces_tokens import message_body
 from cache.store import StoreConfig, TieredStore
 
 DEFAULT_POLICIES = ("append", "mask-observations-2", "window-3", "dynamic-system", "rerank")

@@ -37,8 +37,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.redis_server import RedisServer
-from bench.traces import DEFAULT_CDC, SETS, load_tokenizer, parse_cdc, parse_sessions
-from bench.traces_data import NAMESPACE, Session, Tokenizer, load_sessions
+from bench.traces import DEFAULT_CDC, SETS, parse_cdc, parse_sessions
+from bench.traces_data import Session, load_sessions
+from bench.traces_replay import NAMESPACE
+from bench.traces_tokens import Tokenizer, load_tokenizer
 from cache.planner import Planner, PlannerConfig
 from cache.store import Entry, RedisConfig, RedisTier, record_key
 from cache.store.redis_tier import connect

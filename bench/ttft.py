@@ -32,12 +32,22 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
-from agent.adapters.vision import VisionAdapter, encoder_calls
+from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
+from bench.methods import PrefixCache, first_token, reprefill
 from cache.rope import KERNELS
 from cache.store import StoreConfig, TieredStore
 
 OPS = ("append", "slide", "reorder", "recall", "append")
+# Text for the SmolLM2 session when the multi-hop QA data is absent; ``text_pool`` cycles over it.
+FALLBACK_PARAGRAPHS = (
+    "The Rhine rises in the Swiss Alps, flows through Lake Constance and along the French-German "
+    "border, and reaches the North Sea in the Netherlands near Rotterdam.",
+    "Marie Curie was born in Warsaw in 1867. She moved to Paris to study physics, and she was the "
+    "first person to win Nobel Prizes in two different sciences.",
+    "The Great Barrier Reef lies off the coast of Queensland in Australia. It is the largest coral "
+    "reef system on Earth and can be seen from space.",
+)
 
 
 @dataclass
@@ -52,7 +62,7 @@ class Window:
 
 
 def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> list[ChunkInput]:
-    """Real paragraphs (the multi-hop QA data when present, else repeated demo text)."""
+    """Real paragraphs (the multi-hop QA data when present, else :data:`FALLBACK_PARAGRAPHS`)."""
     from pathlib import Path
 
     from bench.traces_data import data_root
@@ -64,13 +74,10 @@ def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> l
     if path is not None and path.is_file():
         for item in json.loads(path.read_text())[::2]:  # dev half only
             paragraphs += [p["title"] + ". " + p["paragraph_text"] for p in item["paragraphs"]]
-    if not paragraphs:
-        from demos.reorder import DOCUMENTS
-
-        paragraphs = DOCUMENTS
+    source = paragraphs or itertools.cycle(FALLBACK_PARAGRAPHS)
     out: list[ChunkInput] = []
     buf: list[int] = []
-    for p in paragraphs:
+    for p in source:
         buf += adapter.tokenizer(p + "\n", add_special_tokens=False)["input_ids"]
         while len(buf) >= tokens and len(out) < n:
             out.append(adapter.text(buf[:tokens]))
@@ -96,99 +103,6 @@ def image_pool(adapter: ModelAdapter, n: int, side: int) -> list[ChunkInput]:
         draw.text((4, 4), str(i), fill=(0, 0, 0))
         out.append(adapter.image(img))  # type: ignore[attr-defined]
     return out
-
-
-def first_token(adapter: ModelAdapter, question: TextInput, cache: Any, start: int) -> tuple[int, float]:
-    t = time.perf_counter()
-    logits = adapter.next_logits(question, cache, start)
-    return int(logits.argmax()), time.perf_counter() - t
-
-
-PIECE_TOKENS = 1024
-
-
-def feed(adapter: ModelAdapter, chunks: list[ChunkInput], cache: Any, start: int) -> tuple[int, int]:
-    """Prefill ``chunks`` in order onto ``cache`` as a serving engine would (text runs joined into
-    one forward pass, last-token logits only, no KV taken out). Returns the next start and the
-    greedy token after the last chunk.
-
-    On a cache that already holds tokens, a long text run goes in pieces of ``PIECE_TOKENS``
-    (chunked prefill): transformers builds a dense ``new x (past + new)`` mask there and takes a
-    slower attention path than the causal one it uses on an empty cache, so one pass of 8k new
-    tokens after a short reused prefix would cost about twice a re-prefill of everything.
-    """
-    runs: list[ChunkInput] = []
-    for c in chunks:
-        if runs and isinstance(c, TextInput) and isinstance(runs[-1], TextInput):
-            runs[-1] = adapter.text(torch.cat([runs[-1].ids, c.ids]))
-        else:
-            runs.append(c)
-    token = -1
-    for c in runs:
-        pieces = [c]
-        if isinstance(c, TextInput) and adapter.cache_length(cache) > 0:
-            pieces = [adapter.text(p) for p in c.ids.split(PIECE_TOKENS)]
-        for piece in pieces:
-            token = int(adapter.next_logits(piece, cache, start).argmax())
-            start += adapter.chunk_positions(piece)[1]
-    return start, token
-
-
-def forget_images(adapter: ModelAdapter) -> None:
-    """Empty the vision feature cache, so the next image prefill runs the encoder as a baseline would."""
-    if isinstance(adapter, VisionAdapter):
-        adapter.clear_vision_cache()
-
-
-def reprefill(
-    adapter: ModelAdapter, prefix: ChunkInput, window: list[ChunkInput], q: TextInput
-) -> tuple[int, float]:
-    forget_images(adapter)
-    t = time.perf_counter()
-    _, tok = feed(adapter, [prefix, *window, q], adapter.empty_cache(), 0)
-    return tok, time.perf_counter() - t
-
-
-class PrefixCache:
-    """Exact-prefix reuse over earlier windows: the longest common leading run of chunk ids."""
-
-    def __init__(self, adapter: ModelAdapter, keep: int = 6) -> None:
-        self.adapter, self.keep = adapter, keep
-        self.entries: list[tuple[list[str], Any, list[int]]] = []  # ids, cache, cumulative extents
-
-    def run(
-        self, prefix: ChunkInput, ids: list[str], window: list[ChunkInput], q: TextInput
-    ) -> tuple[int, float, int]:
-        import copy
-
-        forget_images(self.adapter)
-        key = ["prefix", *ids]
-        best, best_len = None, 0
-        for entry in self.entries:
-            n = 0
-            while n < min(len(entry[0]), len(key)) and entry[0][n] == key[n]:
-                n += 1
-            if n > best_len:
-                best, best_len = entry, n
-        chunks = [prefix, *window]
-        # the reused prefix is taken as is (a radix cache shares its pages; the copy made
-        # here so the entry stays intact is not timed)
-        if best is None:
-            cache, start, done = self.adapter.empty_cache(), 0, 0
-        else:
-            cache = copy.deepcopy(best[1])
-            start = best[2][best_len - 1]
-            cache.crop(start - self.adapter.cache_length(cache))  # drop what follows the shared run
-            done = best_len
-        t = time.perf_counter()
-        todo = chunks[done:]
-        _, tok = feed(self.adapter, [*todo, q], cache, start)
-        elapsed = time.perf_counter() - t
-        extents = list(itertools.accumulate(self.adapter.chunk_positions(c)[1] for c in chunks))
-        cache.crop(-q.n_tokens)
-        snapshot = copy.deepcopy(cache)
-        self.entries = [*self.entries[-(self.keep - 1) :], (key, snapshot, extents)]
-        return tok, elapsed, sum(c.n_tokens for c in chunks[done:])
 
 
 def run_session(

@@ -33,7 +33,7 @@ from PIL import Image
 
 from agent.adapters.base import ChunkInput, TextInput
 from agent.adapters.vision import VisionAdapter
-from demos.world import Episode
+from tools.world.render import Episode
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"

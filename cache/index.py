@@ -14,7 +14,6 @@ hold KV tensors; payloads are handles the caller gives and gets back.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-from cache.keys import ContentKey, token_bytes
+from cache.keys import ContentKey, digest_key, token_bytes
 
 
 class RadixKey(NamedTuple):
@@ -225,12 +224,12 @@ class IndexStats:
 
 
 def fingerprint(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
-    """16-byte BLAKE2b of the token ids, personalised so it is independent of the content key."""
+    """16 bytes of the token ids' digest, a key kind of its own, so independent of the content key."""
     return _fingerprint(token_bytes(tokens))
 
 
 def _fingerprint(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16, person=b"kamera-fp").digest()
+    return digest_key("fingerprint", [data]).digest[:16]
 
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor

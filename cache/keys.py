@@ -10,6 +10,9 @@ part of every key's input, so the two never mix.
 Chained keys give prefix semantics: the key of chunk i covers its own key and the chained key
 before it, so equal chained keys mean equal whole prefixes.
 
+Content that has no typed key here (a model's weights, the chunk ids of a window, a screenshot)
+is hashed with :func:`digest_key`: the same hash, framing and domain, under a ``kind`` of its own.
+
 What this module does not do: store entries or verify hits (``cache/index.py`` keeps the token
 ids beside each key and compares them); ``KeyMemo`` only remembers keys it has computed.
 """
@@ -20,7 +23,7 @@ import hashlib
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -145,7 +148,12 @@ class ContentKey:
 
 
 def _kind_prefix(kind: str) -> bytes:
-    return encode_value(_DOMAIN) + encode_value(HASH_NAME) + encode_value(kind)
+    return _prefix(kind, HASH_NAME)
+
+
+@lru_cache(maxsize=64)
+def _prefix(kind: str, hash_name: str) -> bytes:
+    return encode_value(_DOMAIN) + encode_value(hash_name) + encode_value(kind)
 
 
 def _key(kind: str, parts: Sequence[bytes]) -> ContentKey:
@@ -154,6 +162,12 @@ def _key(kind: str, parts: Sequence[bytes]) -> ContentKey:
     for p in parts:
         h.update(p)
     return ContentKey(h.digest()[:DIGEST_SIZE])
+
+
+def digest_key(kind: str, parts: Iterable[bytes]) -> ContentKey:
+    """Key of content without a typed key above: ``kind`` names what it is (two kinds never share
+    a key), each of ``parts`` is framed, so ``[b"ab", b"c"]`` and ``[b"a", b"bc"]`` differ."""
+    return _key(f"digest:{kind}", [_frame(b"b", p) for p in parts])
 
 
 def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:

@@ -19,7 +19,6 @@ dtypes than float32 and anything needing autograd (the eager ops take those).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
 import logging
 import os
@@ -36,6 +35,8 @@ from threading import Lock
 from typing import Any
 
 import torch
+
+from cache.keys import digest_key
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ def build(folder: Path | None = None) -> Path:
     flags = ["-O3", "-std=c11", "-shared", "-fPIC"]
     source = SOURCE.read_bytes()
     parts = [source, *(s.encode() for s in cc + flags), platform.machine().encode()]
-    digest = hashlib.sha256(b"\0".join(parts))
+    digest = digest_key("kernel", parts)
     folder = (folder or cache_dir()) / "kernels"
-    target = folder / f"rope-{digest.hexdigest()[:16]}.so"
+    target = folder / f"rope-{digest.hex[:16]}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)

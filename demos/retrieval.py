@@ -6,7 +6,7 @@ to the question's; the embeddings come from the model itself (mean-pooled vision
 the adapter computed anyway, and mean-pooled input embeddings of the question's tokens), so no
 extra model runs. Every strategy returns indices in time order.
 
-Not here: where the frames' KV lives or how an evicted frame comes back (``demos/video_qa.py``,
+Not here: where the frames' KV lives or how an evicted frame comes back (``demos/video_session.py``,
 ``agent/context.py``).
 """
 

@@ -4,7 +4,7 @@
 #
 #   demos/run_video_demo.sh [OUT_DIR]      (default runs/video-demo)
 #
-# KAMERA_MODEL: a Qwen2.5-VL checkpoint folder. Default: agent/models/world_vl when it holds
+# KAMERA_MODEL: a Qwen2.5-VL checkpoint folder. Default: tools/world/world_vl when it holds
 # weights, else the random-weight "tiny" model (answers are then noise; the cache figures are real).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,14 +12,14 @@ OUT=${1:-runs/video-demo}
 mkdir -p "$OUT"
 MODEL=${KAMERA_MODEL:-}
 if [[ -z "$MODEL" ]]; then
-  if compgen -G "agent/models/world_vl/*.safetensors" > /dev/null; then MODEL=agent/models/world_vl; else
-    echo "agent/models/world_vl has no weights: using the random-weight tiny model" >&2; MODEL=tiny; fi
+  if compgen -G "tools/world/world_vl/*.safetensors" > /dev/null; then MODEL=tools/world/world_vl; else
+    echo "tools/world/world_vl has no weights: using the random-weight tiny model" >&2; MODEL=tiny; fi
 fi
 DATA=${KAMERA_DATA:-../shared/data}
 
 python - "$OUT/world-10min.mp4" <<'PY'
 import sys
-from demos.world import make_split, write_video
+from tools.world.render import make_split, write_video
 write_video(make_split("test", 100), sys.argv[1], fps=1)  # 100 episodes x 6 frames = 600 s at 1 fps
 PY
 

@@ -13,8 +13,8 @@ OUT=${1:-runs/web-demo}
 mkdir -p "$OUT"
 MODEL=${KAMERA_MODEL:-}
 if [[ -z "$MODEL" ]]; then
-  if compgen -G "agent/models/world_vl/*.safetensors" > /dev/null; then MODEL=agent/models/world_vl; else
-    echo "agent/models/world_vl has no weights: using the random-weight tiny model" >&2; MODEL=tiny; fi
+  if compgen -G "tools/world/world_vl/*.safetensors" > /dev/null; then MODEL=tools/world/world_vl; else
+    echo "tools/world/world_vl has no weights: using the random-weight tiny model" >&2; MODEL=tiny; fi
 fi
 DATA=${KAMERA_DATA:-../shared/data}
 

@@ -28,7 +28,6 @@ Not here: several tabs, downloads, credentials, or any fencing beyond the browse
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import sys
@@ -46,8 +45,9 @@ from agent.context import ContextManager, WindowConfig
 from agent.grammar import GrammarError
 from agent.loop import Agent
 from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
+from cache.keys import digest_key
 from demos.report import render_run
-from demos.video_qa import TINY, UsageError, load_vl_adapter
+from demos.vl_model import TINY, UsageError, load_vl_adapter
 
 SYSTEM_PROMPT = (
     "You operate a web browser to complete a task. Each turn shows a screenshot of the page. "
@@ -185,7 +185,7 @@ def step_once(
         state.distinct.add(cid)
         observe_ms = 1000 * (time.perf_counter() - t0)
     else:
-        state.distinct.add(hashlib.sha256(png).hexdigest())
+        state.distinct.add(digest_key("screenshot", [png]).hex)
     policy = ActionPolicy()
     parse_error: str | None = None
     action: Action | None = None
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-url", required=True, help="http(s) URL to open first")
     p.add_argument("--task", required=True, help="what the agent should do")
     p.add_argument(
-        "--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: agent/models/world_vl)"
+        "--model", help=f"Qwen2.5-VL checkpoint folder, or '{TINY}' (default: tools/world/world_vl)"
     )
     p.add_argument("--policy", type=Path, help="script.json: a JSON list of actions replayed in order")
     p.add_argument("--no-model", action="store_true", help="with --policy: do not run the model")

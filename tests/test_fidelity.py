@@ -10,18 +10,10 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import load_adapter
-from bench.fidelity import (
-    Codec,
-    FidelityConfig,
-    build_prompt,
-    evaluate_item,
-    exact_match,
-    main,
-    reference_pass,
-    run_tail,
-    token_f1,
-)
+from bench.answers import Codec, exact_match, token_f1
+from bench.fidelity import main
 from bench.fidelity_data import QAItem, in_split, load_items
+from bench.fidelity_item import FidelityConfig, build_prompt, evaluate_item, reference_pass, run_tail
 
 ITEM = QAItem(
     "x",
@@ -175,5 +167,10 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     for m in report["methods"].values():
         assert keys <= set(m)
     assert set(report["canonical"]) == {"after-prefix", "alone"}
+    # patches fitted in the very context served are oracles, reported apart from what deploys
+    assert set(report["oracle"]) == {n for n in report["methods"] if n.startswith("patch-")}
+    assert {"prefix", "blind", "cacheblend-15", "epic-16"} <= set(report["deployable"])
+    assert set(report["deployable"]) | set(report["oracle"]) == set(report["methods"])
+    assert all(m["oracle"] == (n in report["oracle"]) for n, m in report["methods"].items())
     assert (plots / "fidelity_pareto.png").is_file()
     assert (plots / "fidelity_deficit.png").is_file()

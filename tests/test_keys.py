@@ -17,6 +17,7 @@ from cache.keys import (
     Namespace,
     chain_key,
     chained_keys,
+    digest_key,
     encode_value,
     image_key,
     token_key,
@@ -198,3 +199,23 @@ def test_chained_keys_give_prefix_semantics() -> None:
     assert other[3] != chain[3]
     assert chained_keys(ks[:2]) == chain[:2]
     assert chain_key(None, ks[0]) != ks[0]
+
+
+def test_digest_key_is_framed_and_kind_separated() -> None:
+    """Pins the byte layout of the keys for content without a typed key (model fingerprints,
+    window context keys): a silent change would orphan their stored records."""
+    import blake3
+
+    def frame(tag: bytes, payload: bytes) -> bytes:
+        return tag + struct.pack(">Q", len(payload)) + payload
+
+    want = (
+        encode_value(b"kamera.key.v1")
+        + encode_value("blake3")
+        + encode_value("digest:model")
+        + frame(b"b", b"ab")
+    )
+    assert digest_key("model", [b"ab"]).hex == blake3.blake3(want).hexdigest()
+    assert digest_key("model", [b"ab", b"c"]) != digest_key("model", [b"a", b"bc"])
+    assert digest_key("model", [b"ab"]) != digest_key("context", [b"ab"])
+    assert digest_key("tokens", []) != token_key(NS, [])

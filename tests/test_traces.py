@@ -11,32 +11,22 @@ import torch
 
 from agent.adapters.loading import load_adapter
 from agent.adapters.tiny import VOCAB
-from bench.traces import (
-    BYTES_PER_TOKEN,
+from bench.methods import kl_divergence
+from bench.traces import main
+from bench.traces_consistency import (
     MODES,
     Piece,
-    TemplateTokenizer,
     consistency_turn,
-    kl_divergence,
-    main,
     plan_pieces,
-    policy_fields,
     run_method,
     sample_turns,
-    timing_fields,
     truncate,
 )
-from bench.traces_data import (
-    MessageTokenizer,
-    RequestStat,
-    Tokenized,
-    data_root,
-    get_policy,
-    message_parts,
-    replay_session,
-    session_from_trajectory,
-    summarize,
-)
+from bench.traces_data import data_root, session_from_trajectory
+from bench.traces_policies import get_policy
+from bench.traces_replay import RequestStat, replay_session, summarize
+from bench.traces_report import BYTES_PER_TOKEN, policy_fields, timing_fields
+from bench.traces_tokens import MessageTokenizer, TemplateTokenizer, Tokenized, message_parts
 from cache.cdc import CDCConfig
 from cache.patch import PatchConfig
 from cache.planner import PlannerConfig

@@ -8,24 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces_data import (
+from bench.traces_data import Session, data_root, load_jsonl, load_sessions, session_from_trajectory
+from bench.traces_policies import get_policy, turn_starts
+from bench.traces_replay import NgramOracle, evaluate, replay_session
+from bench.traces_tokens import (
     MESSAGE_END,
     MessageTokenizer,
-    NgramOracle,
-    Session,
     body_cuts,
-    data_root,
-    evaluate,
-    get_policy,
-    load_jsonl,
-    load_sessions,
     message_body,
     message_header,
     message_parts,
     render_message,
-    replay_session,
-    session_from_trajectory,
-    turn_starts,
     word_encode,
 )
 from cache.cdc import CDCConfig

@@ -6,10 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from agent.adapters.loading import load_adapter
-from bench.ttft import PrefixCache, main, reprefill
+from bench.ttft import main
 
 
 def test_ttft_bench_writes_every_step_and_the_summary(tmp_path: Path) -> None:
@@ -39,26 +37,6 @@ def test_ttft_bench_writes_every_step_and_the_summary(tmp_path: Path) -> None:
     assert steps[2]["copy_floor_ms"] > 0
     for s in steps:
         assert (s["copy_floor_ms"] > 0) == (s["tokens_rotated"] > 0)
-
-
-def test_prefix_cache_reuses_the_longest_unchanged_leading_run() -> None:
-    adapter = load_adapter("tiny:llama-gqa")
-    prefix, q = adapter.text(torch.arange(2, 8)), adapter.text(torch.arange(40, 44))
-    chunks = [adapter.text(torch.arange(100 + 10 * i, 108 + 10 * i)) for i in range(4)]
-    ids = [f"c{i}" for i in range(4)]
-    pc = PrefixCache(adapter)
-    tok, _, n = pc.run(prefix, ids[:3], chunks[:3], q)
-    assert n == prefix.n_tokens + 24  # nothing cached yet
-    assert tok == reprefill(adapter, prefix, chunks[:3], q)[0]
-    tok, _, n = pc.run(prefix, ids[:3], chunks[:3], q)
-    assert n == 0  # the same window again: only the question runs
-    assert tok == reprefill(adapter, prefix, chunks[:3], q)[0]
-    tok, _, n = pc.run(prefix, ids[1:], chunks[1:], q)
-    assert n == 24  # the first chunk left: everything after the pinned prefix again
-    assert tok == reprefill(adapter, prefix, chunks[1:], q)[0]
-    tok, _, n = pc.run(prefix, [ids[1], ids[2], ids[0]], [chunks[1], chunks[2], chunks[0]], q)
-    assert n == 8  # two leading chunks as in the last window
-    assert tok == reprefill(adapter, prefix, [chunks[1], chunks[2], chunks[0]], q)[0]
 
 
 def test_bad_sizes_and_models_are_refused_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,20 +11,21 @@ import torch
 
 from agent.adapters.base import ImageInput
 from agent.recompute import FixedSelection, selective_recompute
-from bench.fidelity import Codec
-from bench.video_multihop import (
+from bench.answers import Codec
+from bench.video_multihop import load_model, main
+from bench.video_multihop_eval import fresh_adapter
+from bench.video_multihop_layout import (
     PREFIX,
     TAIL,
-    Store,
-    content_id,
-    context_pass,
-    fresh_adapter,
-    load_model,
-    main,
-    placement,
+    Encoders,
+    Piece,
+    build_case,
+    pairs,
+    shuffled_order,
+    text_encoder,
 )
-from bench.video_multihop_layout import Encoders, Piece, build_case, pairs, shuffled_order, text_encoder
-from demos.world import make_split
+from bench.video_multihop_methods import Store, content_id, context_pass, placement
+from tools.world.render import make_split
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def adapter() -> Any:
 
 @pytest.fixture(scope="module")
 def enc(adapter: Any) -> Encoders:
-    from bench.video_multihop import frame_encoder
+    from bench.video_multihop_eval import frame_encoder
 
     return Encoders(text_encoder(Codec(adapter.tokenizer)), frame_encoder(adapter))
 
@@ -59,6 +60,10 @@ def test_cli_writes_the_json_keys(report: dict[str, Any]) -> None:
         assert m["n_multi"] > 0
     assert report["random_weights"] is True
     assert report["methods"]["reprefill"]["agree_multi"] == 1.0
+    # patches fitted to the served prompt's own full prefill are oracles, reported apart
+    assert report["oracle"] == ["patch-r2", "patch-r1000"]
+    assert set(report["deployable"]) == names - {"patch-r2", "patch-r1000"}
+    assert all(m["oracle"] == (n in report["oracle"]) for n, m in report["methods"].items())
 
 
 def test_full_rank_patch_reproduces_reprefill_answers(report: dict[str, Any]) -> None:

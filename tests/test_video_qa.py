@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("av")
 
 from demos.retrieval import FrameRecord, make_retrieval
-from demos.video_qa import ByteTokenizer, clock, main, parse_time, schedule
+from demos.video_qa import clock, main, parse_time, schedule
 from tools.video import counter_frames, write_video
 
 
@@ -52,16 +52,8 @@ def test_times_and_schedule() -> None:
     assert [q.at for q in asked] == [5.0, None]
 
 
-def test_byte_tokenizer_round_trip() -> None:
-    tok = ByteTokenizer()
-    ids = tok("<|im_start|>user\nhé<|im_end|>")["input_ids"]
-    assert ids[0] == 2
-    assert ids[-1] == 1
-    assert tok.decode(ids) == "user\nhé"
-
-
 def test_pixel_bounds_of_the_model() -> None:
-    from demos.video_qa import load_vl_adapter
+    from demos.vl_model import load_vl_adapter
 
     adapter = load_vl_adapter("tiny")
     assert adapter.pixel_bounds() == (56 * 56, 224 * 224)  # type: ignore[attr-defined]
@@ -151,7 +143,7 @@ def test_bad_options_exit_2(video: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from agent.models import WORLD_VL_DIR
+    from tools.world import WORLD_VL_DIR
 
     if any(WORLD_VL_DIR.glob("*.safetensors")):
         pytest.skip("the world_vl checkpoint is present")
@@ -160,7 +152,7 @@ def test_missing_default_model_is_a_clear_error(video: Path, capsys: pytest.Capt
 
 
 def test_labelled_layout_answers_world_questions_from_a_file(tmp_path: Path) -> None:
-    from demos.world import main as world_video
+    from tools.world.render import main as world_video
 
     path = tmp_path / "world.mp4"
     assert world_video([str(path), "--episodes", "2", "--per-episode", "2"]) == 0

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from agent.models import WORLD_VL_DIR
-from demos.world import (
+from tools.world import WORLD_VL_DIR
+from tools.world.render import (
     ANSWER_WORDS,
     BACKGROUND,
     COLOURS,
@@ -170,7 +170,8 @@ def test_video_round_trip(tmp_path) -> None:
 
 
 def test_fast_batch_matches_processor() -> None:
-    from bench.train_world_model import build_processor, chat, train_batch
+    from tools.world.batches import train_batch
+    from tools.world.model import build_processor, chat
 
     processor = build_processor(WorldConfig())
     eps = make_split("train", 3)
@@ -194,7 +195,8 @@ def test_fast_batch_matches_processor() -> None:
 
 
 def test_captions_follow_the_questions() -> None:
-    from bench.train_world_model import build_processor, train_batch
+    from tools.world.batches import train_batch
+    from tools.world.model import build_processor
 
     processor = build_processor(WorldConfig())
     ep = make_episode(episode_seed("train", 7))
@@ -208,7 +210,8 @@ def test_captions_follow_the_questions() -> None:
 
 
 def test_frame_targets_describe_each_image_token() -> None:
-    from bench.train_world_model import build_processor, train_batch
+    from tools.world.batches import train_batch
+    from tools.world.model import build_processor
 
     processor = build_processor(WorldConfig())
     tok = processor.tokenizer
@@ -233,7 +236,8 @@ def test_frame_targets_describe_each_image_token() -> None:
 def test_training_loss_adds_the_frame_objective() -> None:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from bench.train_world_model import ModelSize, build_config, build_processor, train_batch, training_loss
+    from tools.world.batches import train_batch, training_loss
+    from tools.world.model import ModelSize, build_config, build_processor
 
     torch.manual_seed(0)
     processor = build_processor(WorldConfig())
@@ -295,7 +299,8 @@ def test_training_is_deterministic_for_a_seed(tmp_path) -> None:
     """Two short runs with the same seed end on the same weights and the same losses."""
     from safetensors.torch import load_file
 
-    from bench.train_world_model import ModelSize, TrainConfig, train
+    from tools.world.model import ModelSize
+    from tools.world.train import TrainConfig, train
 
     def run(name: str) -> dict:
         cfg = TrainConfig(

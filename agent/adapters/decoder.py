@@ -13,7 +13,6 @@ Not here: vision inputs (``qwen_vl.py``), loading checkpoints (``loading.py``).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +32,7 @@ from agent.adapters.base import (
 )
 from agent.adapters.cache_layers import ArenaLayer, RowWriter, hf_layers
 from cache.arena import KVArena
-from cache.keys import Namespace, image_key, token_key
+from cache.keys import Namespace, digest_key, image_key, token_key
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
 from cache.window import ArenaDims
@@ -57,15 +56,13 @@ def rope_spec_from_module(rotary_emb: torch.nn.Module, model_type: str, **mrope:
 
 def model_fingerprint(model: PreTrainedModel, name: str) -> str:
     """A stable id of the weights: config plus a sample of every parameter's values."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(name.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    parts = [name.encode(), model.config.to_json_string(use_diff=False).encode()]
     with torch.no_grad():
         for pname, p in sorted(model.named_parameters()):
             flat = p.detach().reshape(-1)
-            h.update(pname.encode())
-            h.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()
+            parts.append(pname.encode())
+            parts.append(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
+    return digest_key("model", parts).hex
 
 
 class DecoderAdapter(ModelAdapter):

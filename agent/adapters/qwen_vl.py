@@ -15,7 +15,6 @@ Qwen3-VL's interleaved M-RoPE and DeepStack (``qwen3_vl.py``, built on this one)
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from PIL import Image
 from agent.adapters.base import ChunkInput, ImageInput, TextInput
 from agent.adapters.decoder import DecoderAdapter, rope_spec_from_module
 from agent.adapters.vision import Content, VisionAdapter, VisionFeatures
+from cache.keys import digest_key
 from cache.rope import RopeSpec
 
 PREPROCESS_KEYS = (
@@ -84,20 +84,11 @@ class QwenVLAdapter(DecoderAdapter, VisionAdapter):
         n = grid[0] * grid[1] * grid[2] // self.merge**2
         ids = torch.tensor([self.vision_start_id] + [self.image_token_id] * n + [self.vision_end_id])
         settings = {k: getattr(self.image_processor, k, None) for k in PREPROCESS_KEYS}
-        h = hashlib.blake2b(digest_size=20)
-        h.update(
-            repr(
-                (
-                    self.info.fingerprint,
-                    grid,
-                    tuple(pixels.shape),
-                    str(pixels.dtype),
-                    sorted(settings.items()),
-                )
-            ).encode()
-        )
-        h.update(pixels.contiguous().numpy().tobytes())
-        return ImageInput(pixels, (grid[0], grid[1], grid[2]), ids, h.hexdigest(), {"size": image.size})
+        meta = repr(
+            (self.info.fingerprint, grid, tuple(pixels.shape), str(pixels.dtype), sorted(settings.items()))
+        ).encode()
+        key = digest_key("image-input", [meta, pixels.contiguous().numpy().tobytes()]).hex
+        return ImageInput(pixels, (grid[0], grid[1], grid[2]), ids, key, {"size": image.size})
 
     def pixel_bounds(self) -> tuple[int, int]:
         """The fewest and most pixels the image processor keeps an image at (it resizes into this

@@ -7,8 +7,8 @@ same wherever it sits in the conversation, and every message and image starts a 
 planner gets those offsets as structural boundaries.
 
 A tokenizer without a chat template gets ChatML (``<|im_start|>role\\n ... <|im_end|>\\n``),
-what SmolLM2 and Qwen use. The tiny random models have no tokenizer; :class:`ByteTokenizer`
-gives them one.
+what SmolLM2 and Qwen use. The tiny random models have no tokenizer; ``ByteTokenizer``
+(``agent/byte_tokenizer.py``, imported here for the server's modules) gives them one.
 
 Tool definitions are prompt content too: a template that renders ``tools`` gets them and its
 output is cut around each definition's JSON; any other template gets the fallback tool block of
@@ -26,10 +26,11 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 from PIL import Image
 
+from agent.byte_tokenizer import ByteTokenizer as ByteTokenizer  # the server's modules import it from here
 from agent.server.tools import prompt_parts_of
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
@@ -165,33 +166,3 @@ def _apply_template(
         return str(out)
     body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return body + "<|im_start|>assistant\n"
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 4..259, plus ChatML's two markers; for the tiny random models.
-
-    Ids: 0 bos, 1 ``<|im_end|>`` (the tiny models' end token), 2 ``<|im_start|>``, 3 unused.
-    """
-
-    chat_template = None
-    specials: ClassVar[dict[str, int]] = {"<|im_start|>": 2, "<|im_end|>": 1}
-    _split = re.compile("(<\\|im_start\\|>|<\\|im_end\\|>)")
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": self.encode(text)}
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for part in self._split.split(text):
-            if part in self.specials:
-                ids.append(self.specials[part])
-            else:
-                ids.extend(b + 4 for b in part.encode("utf-8"))
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        data = bytes(i - 4 for i in ids if 4 <= i < 260)
-        return data.decode("utf-8", errors="replace")
-
-    def get_vocab(self) -> dict[str, int]:
-        return {**{chr(b): b + 4 for b in range(256)}, **self.specials}

@@ -1,6 +1,7 @@
-"""``kamera serve``: build the runtime from options (or KAMERA_* environment variables), then
-serve the app with uvicorn (``serving.py``) until SIGTERM, which drains running requests first,
-or SIGINT.
+"""``kamera serve``: the OpenAI-compatible endpoint and agent sessions over HTTP.
+
+The runtime is built from options (or KAMERA_* environment variables), then the app is served
+with uvicorn (``serving.py``) until SIGTERM, which drains running requests first, or SIGINT.
 
 Every option has an environment variable: ``--max-body-bytes`` is ``KAMERA_MAX_BODY_BYTES``,
 ``--port`` is ``KAMERA_PORT``, ``--redis-url`` is ``KAMERA_REDIS_URL``, and so on; an option on

@@ -17,7 +17,7 @@ Counter meanings, per tier:
                       (a swapped record, a copy under the wrong key): dropped, reported as misses
 
 Store-wide: writes_queued / writes_dropped count background disk writes accepted / refused
-because the queue was full; write_queue is how many wait now.
+because the queue was full; write_queue is how many are not yet done (waiting or being written).
 """
 
 from __future__ import annotations

@@ -425,7 +425,9 @@ class _Writer:
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Writes accepted and not yet done: waiting, or being written now (a reader that waits
+        for 0 knows every accepted entry is on disk, or was refused)."""
+        return self._queue.unfinished_tasks
 
     def offer(self, key: str, entry: Entry) -> bool:
         """Queue a write; False (nothing queued) when the queue is full."""

@@ -1,0 +1,271 @@
+"""One fidelity item: its prompt, the reference full prefill, and every method's context scored
+against it (see ``fidelity.py`` for the methods and metrics).
+
+Not here: pooling items, tables, plots (``fidelity_report.py``); the CLI (``fidelity.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from agent.adapters.base import ModelAdapter
+from agent.recompute import selective_recompute
+from bench.answers import Codec, exact_match, token_f1
+from bench.fidelity_data import QAItem
+from bench.methods import (
+    KV_STORAGE_BYTES,
+    FullPrefill,
+    Placed,
+    concat_kv,
+    delta,
+    full_prefill,
+    kl_rows,
+    patch_and_place,
+    place,
+    recompute_selections,
+)
+from cache.layout import ChunkKV
+from cache.patch import PatchConfig
+from cache.rank import rank_strategy
+
+SYSTEM = "Answer the question from the passages. Reply with the answer only, in a few words."
+
+
+CANONICAL_MODES = ("after-prefix", "alone")
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """What to compare. Percentages are of the chunk's KV bytes / of the chunk tokens."""
+
+    ranks: tuple[int, ...] = (8, 16, 32)
+    budgets: tuple[float, ...] = (6.0, 12.0)
+    matched_budgets: bool = True
+    budget_weighting: str = "relative"
+    cacheblend: tuple[float, ...] = (15.0,)
+    epic: tuple[int, ...] = (16,)
+    canonical: tuple[str, ...] = CANONICAL_MODES
+    max_chunk_tokens: int | None = 256
+    max_new_tokens: int = 16
+    system: str = SYSTEM
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.canonical if m not in CANONICAL_MODES]
+        if bad or not self.canonical:
+            raise ValueError(f"canonical modes must be among {CANONICAL_MODES}, got {self.canonical}")
+        if any(r <= 0 for r in self.ranks) or any(b <= 0 for b in self.budgets):
+            raise ValueError("ranks and budgets must be positive")
+        if any(not 0 < p <= 100 for p in self.cacheblend) or any(k <= 0 for k in self.epic):
+            raise ValueError("cacheblend ratios lie in (0, 100] and epic k is positive")
+
+
+class Prompt(NamedTuple):
+    prefix: torch.Tensor  # int64 [P]
+    chunks: list[torch.Tensor]  # int64 [T_i] each
+    tail: torch.Tensor  # int64 [Q]
+
+    @property
+    def starts(self) -> list[int]:
+        out, pos = [], int(self.prefix.numel())
+        for c in self.chunks:
+            out.append(pos)
+            pos += int(c.numel())
+        return out
+
+    @property
+    def context(self) -> torch.Tensor:
+        return torch.cat([self.prefix, *self.chunks])
+
+
+def build_prompt(codec: Codec, item: QAItem, config: FidelityConfig) -> Prompt:
+    """SmolLM2's chat format (ChatML); each chunk tokenised on its own and truncated."""
+    prefix = f"<|im_start|>system\n{config.system}<|im_end|>\n<|im_start|>user\n"
+    chunks = []
+    for text in item.chunks:
+        ids = codec.encode(text.strip() + "\n\n")[: config.max_chunk_tokens]
+        if ids:
+            chunks.append(torch.tensor(ids, dtype=torch.int64))
+    tail = f"Question: {item.question}\nAnswer:<|im_end|>\n<|im_start|>assistant\n"
+    as_ids = lambda s: torch.tensor(codec.encode(s), dtype=torch.int64)  # noqa: E731
+    return Prompt(as_ids(prefix), chunks, as_ids(tail))
+
+
+@dataclass
+class MethodRecord:
+    """One method's numbers on one item (per-position lists pooled later)."""
+
+    kl: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    answer: str = ""
+    agree: float = 0.0
+    em: float | None = None
+    f1: float | None = None
+    k_err: list[float] = field(default_factory=list)
+    v_err: list[float] = field(default_factory=list)
+    bytes_ratio: float = 0.0
+    recompute: float = 0.0
+    fit_ms: float = 0.0
+    apply_ms: float = 0.0
+    oracle: bool = False  # built from the served context's own full prefill (bench/methods.py)
+
+
+class ItemResult(NamedTuple):
+    reference_answer: str
+    reference_em: float | None
+    reference_f1: float | None
+    prefill_ms: float  # mean in-context prefill of one chunk
+    chunk_tokens: list[int]
+    methods: dict[str, dict[str, MethodRecord]]  # canonical mode -> name -> record
+    deficit: dict[str, list[float]]  # canonical mode -> mean ||Δ||² per layer over chunks
+
+
+def run_tail(
+    adapter: ModelAdapter, k: torch.Tensor, v: torch.Tensor, prompt: Prompt, forced: list[int], max_new: int
+) -> tuple[torch.Tensor, list[int]]:
+    """On the context KV ``[L, H, N, D]``: logits ``[Q + A, vocab]`` of the tail and the
+    teacher-forced answer ``forced`` (A tokens), and the greedy answer (at most ``max_new``)."""
+    n, q = k.shape[2], int(prompt.tail.numel())
+    cache = adapter.new_cache([(k, v)])
+    logits = adapter.prefill(adapter.text(prompt.tail), cache, n).logits
+    parts = [logits]
+    if forced:
+        parts.append(adapter.prefill(adapter.text(forced), cache, n + q).logits)
+        cache.crop(-len(forced))  # drop the forced answer again (transformers 5: negative = remove)
+    greedy = adapter.generate(adapter.text(prompt.tail), cache, n, max_new, first_logits=logits[-1])
+    return torch.cat(parts), greedy.tokens
+
+
+def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[list[float], list[float]]:
+    top1 = (ref.argmax(-1) == got.argmax(-1)).double()
+    return kl_rows(ref, got).tolist(), top1.tolist()
+
+
+def _rel_err(k: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """``||x - ref|| / ||ref||`` per layer of ``[L, H, N, D]``."""
+    num = (k.double() - ref.double()).square().sum(dim=(1, 2, 3)).sqrt()
+    return (num / ref.double().square().sum(dim=(1, 2, 3)).sqrt().clamp_min(1e-30)).tolist()
+
+
+def _canonicals(
+    adapter: ModelAdapter, prompt: Prompt, prefix_cache_kv: tuple[torch.Tensor, torch.Tensor], mode: str
+) -> list[ChunkKV]:
+    if mode == "alone":
+        return [adapter.encode(adapter.text(c)) for c in prompt.chunks]
+    p = int(prompt.prefix.numel())
+    out = []
+    for c in prompt.chunks:
+        kv = adapter.prefill(adapter.text(c), adapter.new_cache([prefix_cache_kv]), p).kv
+        out.append(kv)
+    return out
+
+
+def _patch_configs(
+    config: FidelityConfig, delta: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, PatchConfig]:
+    n_layers, _, n_tokens, _ = delta[0].shape
+    width = delta[0].shape[1] * delta[0].shape[3] + delta[1].shape[1] * delta[1].shape[3]
+    kv_bytes = (delta[0].numel() + delta[1].numel()) * KV_STORAGE_BYTES
+    out = {f"patch-r{m}": PatchConfig(rank=rank_strategy("fixed", rank=m)) for m in config.ranks}
+    for pct in config.budgets:
+        nbytes = int(pct / 100 * kv_bytes)
+        out[f"patch-budget-{pct:g}"] = PatchConfig(
+            rank=rank_strategy("budget", nbytes=nbytes, weighting=config.budget_weighting)
+        )
+    if config.matched_budgets:
+        for m in config.ranks:
+            nbytes = n_layers * min(m, n_tokens, width) * (n_tokens + width) * KV_STORAGE_BYTES
+            out[f"patch-budget-r{m}"] = PatchConfig(
+                rank=rank_strategy("budget", nbytes=nbytes, weighting=config.budget_weighting)
+            )
+    return out
+
+
+def reference_pass(adapter: ModelAdapter, prompt: Prompt) -> FullPrefill:
+    """The full prefill: the pinned prefix, then each chunk in order on the same cache."""
+    return full_prefill(adapter, adapter.text(prompt.prefix), [adapter.text(c) for c in prompt.chunks])
+
+
+def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: FidelityConfig) -> ItemResult:
+    """Every method on one item, for each canonical mode."""
+    prompt = build_prompt(codec, item, config)
+    n_layers, p = adapter.info.n_layers, int(prompt.prefix.numel())
+    starts, lengths = prompt.starts, [int(c.numel()) for c in prompt.chunks]
+
+    ref = reference_pass(adapter, prompt)
+    k_ref, v_ref = ref.k, ref.v
+    prefix_kv = (k_ref[:, :, :p].clone(), v_ref[:, :, :p].clone())
+    _, ref_answer = run_tail(adapter, k_ref, v_ref, prompt, [], config.max_new_tokens)
+    ref_logits, _ = run_tail(adapter, k_ref, v_ref, prompt, ref_answer, 0)
+    ref_text = codec.decode(ref_answer).strip()
+    golds = item.answers
+
+    def score(k: torch.Tensor, v: torch.Tensor, rec: MethodRecord) -> MethodRecord:
+        logits, greedy = run_tail(adapter, k, v, prompt, ref_answer, config.max_new_tokens)
+        rec.kl, rec.top1 = _kl_top1(ref_logits, logits)
+        rec.answer = codec.decode(greedy).strip()
+        rec.agree = float(rec.answer == ref_text)
+        if golds:
+            rec.em, rec.f1 = exact_match(rec.answer, golds), token_f1(rec.answer, golds)
+        rec.k_err, rec.v_err = _rel_err(k[:, :, p:], k_ref[:, :, p:]), _rel_err(v[:, :, p:], v_ref[:, :, p:])
+        return rec
+
+    later = sum(lengths[1:]) / max(1, sum(lengths))
+    methods: dict[str, dict[str, MethodRecord]] = {}
+    deficit: dict[str, list[float]] = {}
+    for mode in config.canonical:
+        canon = _canonicals(adapter, prompt, prefix_kv, mode)
+        recs: dict[str, MethodRecord] = {}
+        recs["prefix"] = score(k_ref, v_ref, MethodRecord(recompute=later))
+        placed = [place(c, start, adapter.spec) for start, c in zip(starts, canon, strict=True)]
+        k_blind, v_blind = concat_kv(prefix_kv, [pl.kv for pl in placed])
+        apply_ms = 1e3 * sum(pl.place_s for pl in placed) / len(placed)
+        recs["blind"] = score(k_blind, v_blind, MethodRecord(apply_ms=apply_ms))
+
+        # the recall case: each chunk's Δ from its KV in this very prompt's full prefill (an oracle)
+        deltas = [delta(cd, c) for cd, c in zip(ref.conditioned, canon, strict=True)]
+        energy = torch.zeros(n_layers, dtype=torch.float64)
+        per_method: dict[str, list[Placed]] = {}
+        for i, (dk, dv) in enumerate(deltas):
+            energy += dk.double().square().sum(dim=(1, 2, 3)) + dv.double().square().sum(dim=(1, 2, 3))
+            for name, pc in _patch_configs(config, (dk, dv)).items():
+                per_method.setdefault(name, []).append(
+                    patch_and_place(canon[i], (dk, dv), starts[i], adapter.spec, pc)
+                )
+        deficit[mode] = (energy / len(deltas)).tolist()
+        kv_bytes = sum((c.k.numel() + c.v.numel()) * KV_STORAGE_BYTES for c in canon)
+        for name, rows in per_method.items():
+            k, v = concat_kv(prefix_kv, [r.kv for r in rows])
+            rec = MethodRecord(
+                bytes_ratio=sum(r.patch_bytes for r in rows) / kv_bytes,
+                fit_ms=1e3 * sum(r.fit_s for r in rows) / len(rows),
+                apply_ms=1e3 * sum(r.place_s for r in rows) / len(rows),
+                oracle=True,
+            )
+            recs[name] = score(k, v, rec)
+
+        ids, positions = prompt.context, torch.arange(p + sum(lengths))
+        candidates = torch.arange(p, p + sum(lengths))
+        selections = recompute_selections(config.cacheblend, config.epic, candidates, starts, lengths)
+        for name, sel in selections.items():
+            t0 = time.perf_counter()
+            out = selective_recompute(adapter, ids, positions, k_blind, v_blind, sel)
+            elapsed = time.perf_counter() - t0
+            rec = MethodRecord(
+                recompute=int(out.selected.numel()) / max(1, sum(lengths)),
+                apply_ms=1e3 * elapsed / len(lengths),
+            )
+            recs[name] = score(out.k, out.v, rec)
+        methods[mode] = recs
+    return ItemResult(
+        ref_text,
+        exact_match(ref_text, golds) if golds else None,
+        token_f1(ref_text, golds) if golds else None,
+        1e3 * sum(ref.prefill_s) / len(ref.prefill_s),
+        lengths,
+        methods,
+        deficit,
+    )

@@ -1,0 +1,277 @@
+"""One video played through one agent window: frames in as they are decoded, questions answered
+on demand, and the re-prefill and re-encoding baselines measured on the same windows.
+
+Each sampled frame is preprocessed, run through the vision encoder once (the adapter caches
+features by content) and appended to the window as its own chunk, with its timestamp; the
+context manager slides the oldest frames out when the token budget is reached. A question picks
+the frames it needs with a retrieval strategy (``demos/retrieval.py``) and brings back the
+evicted ones with ``ContextManager.recall``: no vision encoder, no prefill of the frame.
+
+Not here: decoding the video or parsing the command line (``video_qa.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.vision import encoder_calls
+from agent.context import ContextManager, WindowConfig
+from agent.loop import Agent, ChatML
+from demos.retrieval import FrameRecord, make_retrieval
+from demos.vl_model import UsageError, encode_text, fresh_adapter
+from tools.world import WORLD_VL_DIR
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass
+class Asked:
+    index: int
+    question: str
+    at: float | None  # None: after the last frame
+    expected: str | None = None  # the right answer, when the questions file gives it
+    answer: str = ""
+    ttft_ms: float = 0.0
+    answer_ms: float = 0.0
+    asked_at: float = 0.0
+    frame_times: list[float] = field(default_factory=list)
+    recalled_times: list[float] = field(default_factory=list)
+    window_ids: list[str] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class LabelledFrames(ChatML):
+    """The embedded world model's layout: one user turn holds the frames, each after ``frame k``
+    (k: its place among the question's frames, in time order), then the question.
+
+    ``system`` opens that user turn after the system message; ``instruction`` continues it with
+    the question and opens the assistant's turn.
+    """
+
+    def system(self, text: str) -> str:
+        return f"<|im_start|>system\n{text}<|im_end|>\n<|im_start|>user\n"
+
+    def instruction(self, text: str) -> str:
+        return f"{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+LAYOUTS = ("auto", "chat", "labelled")
+
+
+class VideoSession:
+    """One video played through one agent window; frames in, questions answered on demand."""
+
+    def __init__(self, adapter: ModelAdapter, args: argparse.Namespace) -> None:
+        self.adapter = adapter
+        self.args = args
+        self.labelled = layout_of(args) == "labelled"
+        self.chat = LabelledFrames() if self.labelled else ChatML()
+        self.agent = Agent(
+            adapter,
+            args.system,
+            WindowConfig(budget_tokens=args.budget, keep=args.keep),
+            policy="text",
+            chat=self.chat,
+            max_new_tokens=args.max_new_tokens,
+            finalize=False,  # canonical KV and patches are fitted when a chunk slides out, not per answer
+        )
+        self.retrieval = make_retrieval(args.retrieval)
+        self.frames: list[FrameRecord] = []
+        self.inputs: dict[str, ChunkInput] = {}  # frames and labels by chunk id
+        self.reprefill: dict[str, Any] | None = None
+        self.pending: list[tuple[ImageInput, float]] = []
+        self.prefix_tokens = self.cm.view()[0].n_tokens  # the pinned system prompt
+        self.preprocess_s = 0.0  # the image processor's time on every frame
+
+    @property
+    def cm(self) -> ContextManager:
+        return self.agent.context
+
+    def add_frame(self, image: Any, t: float) -> None:
+        """Queue a decoded frame; every ``--ingest-batch`` frames go into the window together
+        (one vision encoder batch, one forward pass), and before a question."""
+        t0 = time.perf_counter()
+        chunk = self.adapter.image(image)  # type: ignore[attr-defined]
+        self.preprocess_s += time.perf_counter() - t0
+        if chunk.n_tokens + self.prefix_tokens > self.args.budget:
+            raise UsageError(
+                f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
+                "frame after the system prompt"
+            )
+        self.pending.append((chunk, t))
+        if len(self.pending) >= self.args.ingest_batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the queued frames into the window."""
+        while self.pending:
+            room = self.args.budget - self.prefix_tokens
+            batch, tokens = [], 0
+            while self.pending and tokens + self.pending[0][0].n_tokens <= room:
+                tokens += self.pending[0][0].n_tokens
+                batch.append(self.pending.pop(0))
+            self._make_room(tokens)
+            ids = self.cm.append_many([c for c, _ in batch], [{"kind": "frame", "t": t} for _, t in batch])
+            for cid, (chunk, t) in zip(ids, batch, strict=True):
+                self.inputs[cid] = chunk
+                embedding = None
+                if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run
+                    embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
+                self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+
+    def _make_room(self, n_tokens: int) -> None:
+        """Slide out at least ``--evict-batch`` chunks once the window is full: survivors are
+        rotated and the live cache rebuilt once per batch rather than once per frame."""
+        excess = self.cm.tokens + n_tokens - self.args.budget
+        if excess <= 0:
+            return
+        view = self.cm.view()[1:]
+        count, freed = 0, 0
+        while freed < excess:
+            freed += view[count].n_tokens
+            count += 1
+        self.cm.slide(max(count, min(self.args.evict_batch, len(view))))
+
+    def question_embedding(self, question: str) -> torch.Tensor | None:
+        if self.retrieval.name != "similarity":
+            return None
+        ids = encode_text(self.adapter, question).ids.to(self.adapter.device)
+        with torch.inference_mode():
+            emb = self.adapter.embed_ids(ids)
+        return emb.float().mean(0).cpu()
+
+    def answer(self, q: Asked, now: float) -> None:
+        self.flush()  # frames already decoded are part of what the question may look at
+        t0 = time.perf_counter()
+        latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
+        candidates = sorted(latest.values(), key=lambda f: f.t)
+        room = self.args.budget - self.prefix_tokens - self._prompt(q.question).n_tokens
+        k, used = 0, 0
+        for f in sorted(candidates, key=lambda f: f.n_tokens):  # how many frames fit at most
+            cost = f.n_tokens + (self._label(k + 1).n_tokens if self.labelled else 0)
+            if k >= self.args.frames_per_question or used + cost > room:
+                break
+            k, used = k + 1, used + cost
+        picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
+        chosen = [candidates[i] for i in picked]
+        q.recalled_times = self._bring_in(chosen)
+        if self.labelled:
+            self._relabel(chosen)
+        window = self.cm.view()[1:]
+        q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
+        q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
+        prepare_ms = 1000 * (time.perf_counter() - t0)
+        result = self.agent.step([], q.question)
+        q.answer = result.output.strip()
+        q.ttft_ms = prepare_ms + result.report.ttft_ms
+        q.answer_ms = prepare_ms + result.report.total_ms
+        q.asked_at = now
+        q.report = result.as_dict()["report"]
+        if self.reprefill is None:
+            self.reprefill = self._measure_reprefill(q)
+
+    def _bring_in(self, chosen: Sequence[FrameRecord]) -> list[float]:
+        """Make the chosen frames present: evict unchosen chunks (oldest first) to make room, then
+        recall each evicted chosen frame at its place in time. Returns the recalled timestamps."""
+        ids = {f.chunk_id for f in chosen}
+        present = {v.chunk_id for v in self.cm.view()}
+        missing = [f for f in chosen if f.chunk_id not in present]
+        need = sum(f.n_tokens for f in missing)
+        while self.cm.tokens + need > self.args.budget:
+            victim = next((i for i, v in enumerate(self.cm.view()) if i and v.chunk_id not in ids), None)
+            if victim is None:
+                break
+            self.cm.slide_at(victim)
+        for f in missing:
+            view = self.cm.view()
+            at = 1 + max(
+                (i for i, v in enumerate(view) if i and v.kind == "frame" and float(v.meta["t"]) <= f.t),
+                default=0,
+            )
+            self.cm.recall(f.chunk_id, at=at)
+        return [f.t for f in missing]
+
+    def _label(self, k: int) -> TextInput:
+        return encode_text(self.adapter, f"frame {k}")
+
+    def _relabel(self, chosen: Sequence[FrameRecord]) -> None:
+        """Leave only the chosen frames in the window, each after its ``frame k`` label.
+
+        Earlier turns and labels slide out; the labels go in as one batch after the frames and
+        are then moved in front of theirs by rotation (their KV is conditioned on the frames
+        before them, not on the frames' new order: the approximation the cache makes)."""
+        ids = {f.chunk_id for f in chosen}
+        view = self.cm.view()
+        for i in range(len(view) - 1, 0, -1):
+            if view[i].kind != "frame" or view[i].chunk_id not in ids:
+                self.cm.slide_at(i)
+        frames = [v.chunk_id for v in self.cm.view()[1:]]
+        labels = [self._label(k) for k in range(1, len(frames) + 1)]
+        label_ids = self.cm.append_many(labels, [{"kind": "label"} for _ in labels])
+        for cid, label in zip(label_ids, labels, strict=True):
+            self.inputs[cid] = label
+        self.cm.reorder([c for pair in zip(label_ids, frames, strict=True) for c in pair])
+
+    def _prefix(self) -> TextInput:
+        return encode_text(self.adapter, self.chat.system(self.args.system))
+
+    def _measure_reprefill(self, q: Asked) -> dict[str, Any]:
+        """Full prefill of the same window (frames' features cached) and the question's first token."""
+        chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
+        ms, answer = full_answer(self.adapter, chunks, self._prompt(q.question), self.args.max_new_tokens)
+        return {"ttft_ms": ms, "answer": answer, "same_answer": answer.strip() == q.answer}
+
+    def _prompt(self, question: str) -> TextInput:
+        return encode_text(self.adapter, self.chat.instruction(question))
+
+    def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
+        """Each question answered from scratch on its window, vision encoder included."""
+        t0 = time.perf_counter()
+        answers, calls = [], 0
+        for q in asked:
+            fresh = fresh_adapter(self.adapter)  # from scratch: no features kept between questions
+            chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
+            _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
+            answers.append(answer.strip())
+            calls += encoder_calls(fresh)
+        return {
+            "reencode_total_s": time.perf_counter() - t0,
+            "reencode_vision_encoder_calls": calls,
+            "reencode_answers": answers,
+            "reencode_same_answers": sum(a == q.answer for a, q in zip(answers, asked, strict=True)),
+            "reencode_correct": sum(
+                a == q.expected for a, q in zip(answers, asked, strict=True) if q.expected is not None
+            ),
+        }
+
+
+def full_answer(
+    adapter: ModelAdapter, chunks: Sequence[ChunkInput], prompt: TextInput, max_new_tokens: int
+) -> tuple[float, str]:
+    """Prefill ``chunks`` then ``prompt`` on an empty cache and decode greedily.
+
+    Returns the time to first token in milliseconds and the answer text.
+    """
+    t0 = time.perf_counter()
+    cache = adapter.empty_cache()
+    adapter.prefill_many(chunks, cache, 0)  # one forward pass; the images in one encoder batch
+    start = sum(adapter.chunk_positions(chunk)[1] for chunk in chunks)
+    gen = adapter.generate(prompt, cache, start, max_new_tokens)
+    ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
+    return ttft_ms, adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+
+
+def layout_of(args: argparse.Namespace) -> str:
+    """The prompt layout ``--layout`` asks for (``auto``: labelled on the embedded world model)."""
+    if args.layout != "auto":
+        return str(args.layout)
+    is_world = args.model is None or Path(args.model).resolve() == Path(WORLD_VL_DIR).resolve()
+    return "labelled" if is_world else "chat"
