@@ -368,7 +368,7 @@ class ContextManager:
         arena = window.sync(self._slots, self.config.budget_tokens)
         self.counters.tokens_rotated += window.tokens_rotated - rotated
         self.counters.rebuilds += window.rebuilds - rebuilds
-        self._cache = self.adapter.cache_on(arena)
+        self._cache = self.adapter.new_cache(arena)
         self.counters.assemblies += 1
         self.counters.assemble_ms += 1000 * (time.perf_counter() - t0)
         return self._cache

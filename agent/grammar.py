@@ -26,6 +26,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from agent.adapters.base import ModelAdapter
+
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -110,11 +112,10 @@ class GrammarEngine:
             raise GrammarError(f"no grammar support for this model's tokenizer: {e}") from None
 
     @classmethod
-    def for_adapter(cls, adapter: Any) -> GrammarEngine:
+    def for_adapter(cls, adapter: ModelAdapter) -> GrammarEngine:
         """The engine of a model adapter's tokenizer, end tokens and vocabulary (its embedding
         rows, which may pad the tokenizer's)."""
-        vocab = int(adapter.model.get_input_embeddings().weight.shape[0])
-        return cls(adapter.tokenizer, adapter.eos_ids, vocab)
+        return cls(adapter.tokenizer, adapter.eos_ids, adapter.vocab_size)
 
     def constraint(self, grammar: str) -> Constraint:
         """Compile ``grammar`` (Lark, see :func:`json_schema_grammar`); GrammarError if it fails."""

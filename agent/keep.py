@@ -95,7 +95,7 @@ class Keeper:
         deltas: list[list[Delta]] = [[] for _ in chunks]
         canon = [self.canonical(cid, inp, recompute=done) for cid, inp, done in chunks]
         for ordering in sample_orderings(len(chunks), self.config.orbit_orderings, seed=len(chunks)):
-            cache = self.adapter.assemble([prefix.place(0, self.adapter.spec)])
+            cache = self.adapter.new_cache([prefix.place(0, self.adapter.spec)])
             start = prefix.extent
             for i in ordering:
                 out = self.adapter.prefill(chunks[i][1], cache, start)

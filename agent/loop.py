@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
@@ -140,10 +141,6 @@ class _FreshWindow:
         return self.cache, logits, self.start + adapter.chunk_positions(self.prompt)[1]
 
 
-def encoder_calls(adapter: ModelAdapter) -> int:
-    return int(getattr(adapter, "vision_encoder_calls", 0))
-
-
 class Agent:
     """One agent session: a window on a model and a store, stepped by observations."""
 
@@ -183,9 +180,9 @@ class Agent:
         """An observation as window chunks with their metadata."""
         if isinstance(obs, TextObservation):
             return [(self._text(self.chat.user_text(obs.text)), {"kind": "text"})]
-        image_of: Callable[[Image.Image], ChunkInput] | None = getattr(self.adapter, "image", None)
-        if image_of is None:
+        if not isinstance(self.adapter, VisionAdapter):
             raise TypeError(f"{self.adapter.info.name} takes no images")
+        image_of = self.adapter.image
         out: list[tuple[ChunkInput, dict[str, Any]]] = []
         if isinstance(obs, ImageObservation):
             if obs.label:

@@ -15,12 +15,14 @@ the reused at every layer. They differ in which tokens:
 
 With every token selected both give the full prefill (to float rounding).
 
-The forward runs the model's own decoder layers one by one on just the selected rows, with an
-explicit additive mask on absolute positions and a stand-in cache whose ``update`` scatters the
-rows' fresh K/V into a copy of the reused layer. It needs a decoder whose layers take
-``(hidden, attention_mask=, position_embeddings=, cache=)`` and call ``cache.update(k, v,
-layer_idx)`` with post-RoPE ``[1, H_kv, rows, D]`` keys (Llama, Qwen2, Qwen3, Mistral): the GQA
-family of :class:`agent.adapters.decoder.DecoderAdapter`.
+The forward runs through the adapter's hooks (:meth:`~agent.adapters.base.ModelAdapter.embed`,
+:meth:`~agent.adapters.base.ModelAdapter.run_layers`, ``layer_kv``): the model's own decoder
+layers on just the selected rows, each row attending by sequence index (as the model's own
+forward does: under M-RoPE positions do not order tokens), the rows' fresh K/V written in place
+into the cache's layers. :func:`recompute_into` repairs a model cache that way without copying
+the context; :func:`selective_recompute` works on ``[L, H, N, D]`` buffers and returns new ones.
+Inputs are token ids ``[N]``, or input embeddings ``[N, hidden]`` for a context with images
+(``adapter.embed`` of each chunk: vision features at image tokens).
 
 Not here: where the reused KV comes from, patches (``cache/patch.py``), metrics.
 """
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
+
+from agent.adapters.base import ModelAdapter, ModelCache
 
 Deviation = Literal["v", "kv"]
 
@@ -88,40 +92,29 @@ def first_tokens(starts: Sequence[int], lengths: Sequence[int], k: int) -> torch
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-class _ScatterCache:
-    """Stands in for an HF cache during a partial forward.
+def recompute_into(
+    adapter: ModelAdapter,
+    cache: ModelCache,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    selection: Selection,
+) -> int:
+    """Recompute the selected tokens of the context ``cache`` holds, in place.
 
-    ``update(k, v, layer)`` writes the running rows' fresh post-RoPE K/V (``[1, H, rows, D]``)
-    into layer ``layer`` of the working K/V at ``rows`` and returns the whole layer, so the rows
-    attend to reused KV everywhere else. ``fresh`` keeps the last K/V each layer received.
+    inputs: int64 token ids ``[N]`` or float input embeddings ``[N, hidden]`` of the context;
+    positions: int64 absolute positions ``[N]`` (``[3, N]`` under M-RoPE). At every layer the
+    recomputed tokens' KV in ``cache`` is replaced; from the selection layer on, the others'
+    is left as it was (the selection layer restores the rows it tried but did not keep).
+    Returns how many tokens ran through every layer. Raises TypeError for a model whose layers
+    cannot run on rows (MLA), ValueError for inputs that disagree with the cache.
     """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v  # [L, H, N, D], modified in place
-        self.rows = torch.zeros(0, dtype=torch.int64)
-        self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.fresh[layer_idx] = (key_states[0], value_states[0])
-        self.k[layer_idx][:, self.rows] = key_states[0].to(self.k.dtype)
-        self.v[layer_idx][:, self.rows] = value_states[0].to(self.v.dtype)
-        return self.k[layer_idx][None], self.v[layer_idx][None]
-
-
-def _mask(positions: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[1, 1, rows, N]``: row r sees every token at a position <= its own."""
-    allowed = positions[None, :] <= positions[rows][:, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return int(_recompute(adapter, cache, inputs, positions, selection).numel())
 
 
 @torch.inference_mode()
 def selective_recompute(
-    adapter: Any,
-    ids: torch.Tensor,
+    adapter: ModelAdapter,
+    inputs: torch.Tensor,
     positions: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -129,73 +122,76 @@ def selective_recompute(
 ) -> Recomputed:
     """Recompute the selected tokens of a reused context through every layer.
 
-    adapter: a GQA :class:`~agent.adapters.decoder.DecoderAdapter`. ids: int64 ``[N]``, the
-    context's tokens; positions: int64 ``[N]`` absolute positions; k, v: the reused post-RoPE KV
-    ``[L, H_kv, N, D]`` (not modified). Returns new tensors.
+    inputs: int64 token ids ``[N]`` or input embeddings ``[N, hidden]``; positions: int64
+    ``[N]`` (``[3, N]`` under M-RoPE) absolute positions; k, v: the reused post-RoPE KV
+    ``[L, H_kv, N, D]`` (not modified: the work runs on one copy of them). Returns new tensors.
     """
-    if getattr(adapter, "family", None) != "gqa":
-        raise TypeError("selective recompute runs on GQA/MHA decoders only")
-    n = int(ids.numel())
-    if k.shape[2] != n or v.shape[2] != n or positions.shape != ids.shape:
-        raise ValueError(f"ids [{n}], positions {tuple(positions.shape)} and KV {tuple(k.shape)} disagree")
+    _check_family(adapter)
+    n = int(inputs.shape[0])
+    if k.shape[2] != n or v.shape[2] != n:
+        raise ValueError(f"inputs [{n}], positions {tuple(positions.shape)} and KV {tuple(k.shape)} disagree")
     device = adapter.device
-    layers = adapter.base.layers[: adapter.info.n_layers]
-    cache = _ScatterCache(k.clone().to(device), v.clone().to(device))
-    positions = positions.to(device)
+    k, v = k.to(device, copy=True), v.to(device, copy=True)
+    selected = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
+    return Recomputed(k, v, selected)
+
+
+def _check_family(adapter: ModelAdapter) -> None:
+    if adapter.family != "gqa":
+        raise TypeError("selective recompute runs on GQA/MHA decoders only")
+
+
+@torch.inference_mode()
+def _recompute(
+    adapter: ModelAdapter,
+    cache: ModelCache,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    selection: Selection,
+) -> torch.Tensor:
+    """The sorted indices of the tokens recomputed through every layer (on the CPU)."""
+    _check_family(adapter)
+    n = adapter.cache_length(cache)
+    if inputs.shape[0] != n or positions.shape[-1] != n or positions.dim() > 2:
+        shapes = f"inputs {tuple(inputs.shape)}, positions {tuple(positions.shape)}"
+        raise ValueError(f"{shapes} and a cache of {n} tokens disagree")
+    n_layers = adapter.info.n_layers
     if isinstance(selection, FixedSelection):
-        rows, check = selection.indices.to(torch.int64).unique(sorted=True), None
+        rows = selection.indices.to(torch.int64).unique(sorted=True)
+        check = n_layers  # no selection layer: every row runs every layer
     else:
         rows, check = selection.candidates.to(torch.int64).unique(sorted=True), selection.layer
-    rows = rows.to(device)
-    hidden = adapter.model.get_input_embeddings()(ids.to(device)[rows][None])
-    dtype = hidden.dtype
-    for index, layer in enumerate(layers):
-        if index == check and isinstance(selection, DeviationSelection):
-            rows, hidden = _select(adapter, layer, index, hidden, rows, positions, cache, selection)
-        if rows.numel() == 0:
-            break
-        cache.rows = rows
-        pos = positions[rows][None]
-        hidden = layer(
-            hidden,
-            attention_mask=_mask(positions, rows, dtype).to(device),
-            position_ids=pos,
-            position_embeddings=adapter.base.rotary_emb(hidden, position_ids=pos),
-            cache=cache,
-            use_cache=True,
-        )
-    return Recomputed(cache.k, cache.v, rows.cpu())
-
-
-def _select(
-    adapter: Any,
-    layer: torch.nn.Module,
-    index: int,
-    hidden: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    cache: _ScatterCache,
-    selection: DeviationSelection,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``layer`` on every row once to read their fresh K/V, keep the most deviating rows.
-
-    The layer's working K/V is restored to the reused values for the rows not kept.
-    """
-    saved_k, saved_v = cache.k[index].clone(), cache.v[index].clone()
-    cache.rows = rows
-    pos = positions[rows][None]
-    layer(
-        hidden,
-        attention_mask=_mask(positions, rows, hidden.dtype).to(hidden.device),
-        position_ids=pos,
-        position_embeddings=adapter.base.rotary_emb(hidden, position_ids=pos),
-        cache=cache,
-        use_cache=True,
-    )
-    fresh_k, fresh_v = cache.fresh[index]  # [H, rows, D]
-    dev = (fresh_v - saved_v[:, rows]).square().sum(dim=(0, 2))
+    if rows.numel() == 0:
+        return rows
+    hidden = _embed_rows(adapter, inputs, rows)
+    if check >= n_layers or not isinstance(selection, DeviationSelection):
+        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers))
+        return rows
+    if check > 0:
+        hidden = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check)).hidden
+    # the selection layer: every candidate once, its fresh KV against the reused; the rows not
+    # kept get their reused KV back, the kept ones run the layer again from its input (now
+    # attending to the reused KV of the others) and on through the last
+    k_layer, v_layer = adapter.layer_kv(cache, check)
+    device_rows = rows.to(k_layer.device)
+    saved_k, saved_v = k_layer[:, device_rows], v_layer[:, device_rows]  # [H, C, D] copies
+    fresh = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, check + 1))
+    dev = (fresh.v - saved_v).square().sum(dim=(0, 2))
     if selection.deviation == "kv":
-        dev = dev + (fresh_k - saved_k[:, rows]).square().sum(dim=(0, 2))
-    keep = torch.topk(dev, selection.count).indices.sort().values
-    cache.k[index], cache.v[index] = saved_k, saved_v
-    return rows[keep], hidden[:, keep]
+        dev = dev + (fresh.k - saved_k).square().sum(dim=(0, 2))
+    keep = torch.zeros(rows.numel(), dtype=torch.bool)
+    keep[torch.topk(dev, selection.count).indices.cpu()] = True
+    drop = (~keep).to(k_layer.device)
+    k_layer.index_copy_(1, device_rows[drop], saved_k[:, drop])
+    v_layer.index_copy_(1, device_rows[drop], saved_v[:, drop])
+    rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
+    if rows.numel():
+        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers))
+    return rows
+
+
+def _embed_rows(adapter: ModelAdapter, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Input embeddings ``[R, hidden]`` of the rows: looked up for token ids, taken for embeddings."""
+    if inputs.is_floating_point():
+        return inputs[rows.to(inputs.device)].to(adapter.device)
+    return adapter.embed_ids(inputs[rows])

@@ -64,9 +64,9 @@ def _floats(text: str) -> tuple[float, ...]:
 def load_model(name: str | None) -> ModelAdapter:
     """``tiny:<family>`` for a random-weight model, otherwise :func:`load_adapter`'s names."""
     if name and name.startswith("tiny:"):
-        from agent.adapters.tiny import tiny_adapter
+        from agent.adapters.loading import load_adapter
 
-        return tiny_adapter(name.removeprefix("tiny:"))
+        return load_adapter(name)
     from agent.adapters.loading import load_adapter
 
     return load_adapter(name)

@@ -129,7 +129,7 @@ def run_tail(
     """On the context KV ``[L, H, N, D]``: logits ``[Q + A, vocab]`` of the tail and the
     teacher-forced answer ``forced`` (A tokens), and the greedy answer (at most ``max_new``)."""
     n, q = k.shape[2], int(prompt.tail.numel())
-    cache = adapter.assemble([(k, v)])
+    cache = adapter.new_cache([(k, v)])
     logits = adapter.prefill(adapter.text(prompt.tail), cache, n).logits
     parts = [logits]
     if forced:
@@ -158,7 +158,7 @@ def _canonicals(
     p = int(prompt.prefix.numel())
     out = []
     for c in prompt.chunks:
-        kv = adapter.prefill(adapter.text(c), adapter.assemble([prefix_cache_kv]), p).kv
+        kv = adapter.prefill(adapter.text(c), adapter.new_cache([prefix_cache_kv]), p).kv
         out.append(kv)
     return out
 

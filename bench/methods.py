@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.adapters.vision import VisionAdapter
 from agent.recompute import DeviationSelection, FixedSelection, Selection, first_tokens
 from cache.layout import ChunkKV
 from cache.patch import KV, PatchConfig, apply_and_place, fit_delta
@@ -212,9 +213,8 @@ def feed(adapter: ModelAdapter, chunks: list[ChunkInput], cache: Any, start: int
 
 def forget_images(adapter: ModelAdapter) -> None:
     """Empty the vision feature cache, so the next image prefill runs the encoder as a baseline would."""
-    clear = getattr(adapter, "clear_vision_cache", None)
-    if clear is not None:
-        clear()
+    if isinstance(adapter, VisionAdapter):
+        adapter.clear_vision_cache()
 
 
 def reprefill(

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter
+from agent.adapters.vision import VisionAdapter
 from cache import native
 from cache.rope import RopeSpec, default_inv_freq, rotate
 
@@ -52,7 +53,7 @@ def family_exactness(adapter: ModelAdapter, chunk: ChunkInput) -> dict[str, Any]
         by_start[str(start)] = float(
             (k_moved.double() - k_direct.double()).abs().max() / k_direct.double().abs().max()
         )
-        moved = adapter.prefill(query, adapter.assemble([(k_moved, v)]), start + canonical.extent).logits
+        moved = adapter.prefill(query, adapter.new_cache([(k_moved, v)]), start + canonical.extent).logits
         ref = adapter.prefill(query, direct.cache, start + canonical.extent).logits
         worst_logits = max(worst_logits, float((moved - ref).abs().max()))
     return {
@@ -105,18 +106,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-real", action="store_true", help="leave out the real SmolLM2 weights")
     args = parser.parse_args(argv)
     console = Console()
-    from agent.adapters.tiny import BUILDERS, tiny_adapter
+    from agent.adapters.loading import load_adapter
+    from agent.adapters.tiny import BUILDERS
 
     families: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
     for name in BUILDERS:
-        adapter = tiny_adapter(name)
+        adapter = load_adapter(f"tiny:{name}")
         families[name] = family_exactness(adapter, adapter.text(torch.randint(2, 500, (48,), generator=g)))
-        if name == "qwen2.5-vl":
+        if isinstance(adapter, VisionAdapter):
             from PIL import Image
 
             img = Image.effect_mandelbrot((112, 84), (-2, -1.2, 1, 1.2), 60).convert("RGB")
-            families["qwen2.5-vl-image"] = family_exactness(adapter, adapter.image(img))  # type: ignore[attr-defined]
+            families[f"{name}-image"] = family_exactness(adapter, adapter.image(img))
     if not args.skip_real:
         from agent.adapters.loading import load_adapter
 

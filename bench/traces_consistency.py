@@ -134,7 +134,7 @@ def run_method(
     def prefill(s: int, e: int) -> None:
         nonlocal cache, fresh, logits
         if not fresh:
-            cache = adapter.assemble(placed)
+            cache = adapter.new_cache(placed)
         out = adapter.prefill(adapter.text(ids[s:e]), cache, s)
         placed.append(out.kv.place(s, spec))
         fresh, logits = True, out.logits[-1]
@@ -303,7 +303,7 @@ def consistency(
     patch_rank: int = 8,
 ) -> dict[str, Any]:
     """Per model: per mode greedy-match share and KL median/max, plus each turn's record."""
-    from agent.adapters.tiny import tiny_adapter
+    from agent.adapters.loading import load_adapter
 
     out: dict[str, Any] = {}
     for name in models:
@@ -314,8 +314,8 @@ def consistency(
                 smollm2 = load_adapter()
             adapter = smollm2
         else:
-            adapter = tiny_adapter(name)
-        vocab = int(adapter.model.get_input_embeddings().num_embeddings)
+            adapter = load_adapter(f"tiny:{name}")
+        vocab = adapter.vocab_size
         records = []
         for set_name, policy, sid, prompts in turns:
             t0 = time.perf_counter()

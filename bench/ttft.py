@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
+from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
 from bench.methods import PrefixCache, first_token, reprefill
 from cache.rope import KERNELS
@@ -118,11 +119,11 @@ def run_session(
     inputs = {adapter.chunk_key(c): c for c in pool}
     order = list(inputs)
     fill, rest = [], order
-    enc_fill = int(getattr(adapter, "vision_encoder_calls", 0))
+    enc_fill = encoder_calls(adapter)
     while rest and cm.tokens + inputs[rest[0]].n_tokens + question.n_tokens <= budget:
         cm.append(inputs[rest[0]])
         fill.append(rest.pop(0))
-    enc_fill = int(getattr(adapter, "vision_encoder_calls", 0)) - enc_fill
+    enc_fill = encoder_calls(adapter) - enc_fill
     cm.finalize()
     cm.invalidate()
     cm.cache()  # warm: the rotation kernel (compiled on first use) and the cos/sin tables
@@ -135,7 +136,7 @@ def run_session(
     prefilled = {"reprefill": 0, "prefix": 0, "kamera": 0}
     unique_images: set[str] = {cm.view()[i].chunk_id for i in range(1, len(cm.view()))}
     for op in OPS:
-        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        enc0 = encoder_calls(adapter)
         pre0 = cm.counters.tokens_prefilled
         rot0 = cm.counters.tokens_rotated
         t = time.perf_counter()
@@ -164,7 +165,7 @@ def run_session(
         rotated = cm.counters.tokens_rotated - rot0
         prefix_keys = cm.placed_kv(0)[0]  # the layout of the window's keys, for the copy floor
         cm.invalidate()  # the question is not part of the window
-        calls["kamera"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        calls["kamera"] += encoder_calls(adapter) - enc0
         prefilled["kamera"] += cm.counters.tokens_prefilled - pre0 + question.n_tokens
         t = time.perf_counter()
         cm.finalize()
@@ -172,13 +173,13 @@ def run_session(
 
         ids = [v.chunk_id for v in cm.view()[1:]]
         window = [inputs[i] for i in ids]
-        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        enc0 = encoder_calls(adapter)
         tok_r, reprefill_s = reprefill(adapter, prefix, window, question)
-        calls["reprefill"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        calls["reprefill"] += encoder_calls(adapter) - enc0
         prefilled["reprefill"] += cm.tokens + question.n_tokens
-        enc0 = int(getattr(adapter, "vision_encoder_calls", 0))
+        enc0 = encoder_calls(adapter)
         tok_p, prefix_s, n_pre = prefix_cache.run(prefix, ids, window, question)
-        calls["prefix"] += int(getattr(adapter, "vision_encoder_calls", 0)) - enc0
+        calls["prefix"] += encoder_calls(adapter) - enc0
         prefilled["prefix"] += n_pre + question.n_tokens
         step = {
             "op": op,
@@ -295,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.update({"model": "smollm2", "window": size, "summary": summarise(run["steps"])})
             report["runs"].append(run)
     if "qwen2.5-vl" in models:
-        from agent.adapters.tiny import tiny_adapter
+        from agent.adapters.loading import load_adapter
 
-        vl = tiny_adapter("qwen2.5-vl")
+        vl = load_adapter("tiny:qwen2.5-vl")
         prefix, question = vl.text(torch.arange(5, 25)), vl.text(torch.arange(40, 56))
         for size in vl_sizes:
             per_image = image_pool(vl, 1, args.image_side)[0].n_tokens

@@ -116,14 +116,9 @@ def load_model(name: str | None) -> QwenVLAdapter:
 
     if name is None:
         name = str(WORLD_VL_DIR) if (WORLD_VL_DIR / "config.json").is_file() else "tiny"
-    if name in ("tiny", "tiny:qwen2.5-vl"):
-        from agent.adapters.tiny import tiny_adapter
+    from agent.adapters.loading import load_adapter
 
-        adapter = tiny_adapter("qwen2.5-vl")
-    else:
-        from agent.adapters.loading import load_adapter
-
-        adapter = load_adapter(name)
+    adapter = load_adapter(name)
     if not isinstance(adapter, QwenVLAdapter):
         raise ValueError(f"{name!r} is not a Qwen2.5-VL model")
     return adapter
@@ -132,9 +127,8 @@ def load_model(name: str | None) -> QwenVLAdapter:
 def world_config(adapter: QwenVLAdapter) -> WorldConfig:
     """The world's frame size as the model's image processor keeps it (a checkpoint trained on
     the world pins ``min_pixels = max_pixels = size²``); the default world otherwise."""
-    ip = adapter.image_processor
-    lo, hi = getattr(ip, "min_pixels", None), getattr(ip, "max_pixels", None)
-    if lo is not None and lo == hi:
+    lo, hi = adapter.pixel_bounds()
+    if lo == hi:
         side = math.isqrt(int(lo))
         if side * side == lo and side >= 56 and side % 28 == 0:
             return WorldConfig(size=side)
@@ -144,7 +138,7 @@ def world_config(adapter: QwenVLAdapter) -> WorldConfig:
 def layout_check(adapter: QwenVLAdapter, episode: Episode) -> bool | None:
     """Whether the chunked plain prompt has the processor's own token ids (None: no template)."""
     q = episode.questions[0]
-    want = processor_ids(adapter.processor, episode, q.text)
+    want = processor_ids(adapter, episode, q.text)
     if want is None:
         return None
     codec = Codec(adapter.tokenizer)

@@ -51,7 +51,7 @@ def ask(
 ) -> Answer:
     """Prefill the question on the method's context and decode greedily; the cache takes the
     context buffers over without writing them."""
-    cache = adapter.cache_from(built.k, built.v)
+    cache = adapter.new_cache([(built.k, built.v)])
     t0 = time.perf_counter()
     logits = adapter.prefill(tail, cache, start).logits[-1]
     int(logits.argmax())
@@ -64,17 +64,8 @@ def direct_ttft(adapter: QwenVLAdapter, chunks: Sequence[ChunkInput]) -> float:
     """Seconds to the first token of one plain HF forward over the whole prompt, vision encoder
     included: re-prefill's time to first token (its answers come from the chunked pass, which
     the tests hold equal to this forward)."""
-    ids = torch.cat([c.ids for c in chunks])[None].to(adapter.device)
-    images = [c for c in chunks if isinstance(c, ImageInput)]
-    pixels = torch.cat([c.pixel_values for c in images]).to(adapter.device)
-    grid = torch.tensor([c.grid_thw for c in images], device=adapter.device)
-    types = (ids == adapter.image_token_id).int()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = adapter.model(
-            input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types, logits_to_keep=1
-        )
-        int(out.logits[0, -1].argmax())
+    int(adapter.reference_logits(chunks, last_only=True)[-1].argmax())
     return time.perf_counter() - t0
 
 
@@ -177,7 +168,7 @@ def aggregate(records: Sequence[Record], calls: dict[str, int], questions: int) 
 
 def fresh_adapter(adapter: QwenVLAdapter, vision_cache_size: int) -> QwenVLAdapter:
     """Another adapter on the same weights with its own vision feature cache and counter."""
-    return QwenVLAdapter(adapter.model, adapter.processor, adapter.info.name, vision_cache_size)
+    return adapter.fresh(vision_cache_size)
 
 
 def frame_encoder(adapter: QwenVLAdapter) -> Callable[[Episode, int], ChunkInput]:

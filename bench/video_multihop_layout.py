@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from PIL import Image
 
 from agent.adapters.base import ChunkInput, TextInput
+from agent.adapters.vision import VisionAdapter
 from tools.world.render import Episode
 
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -111,18 +113,11 @@ def text_encoder(codec: Any) -> Callable[[str], TextInput]:
     return encode
 
 
-def processor_ids(processor: Any, episode: Episode, question: str) -> torch.Tensor | None:
+def processor_ids(adapter: VisionAdapter, episode: Episode, question: str) -> torch.Tensor | None:
     """The plain prompt's token ids as the world model's own processor lays it out, or None when
     the processor has no chat template (the tiny models)."""
-    if getattr(processor, "chat_template", None) is None or not hasattr(processor, "tokenizer"):
-        return None
-    content: list[dict[str, str]] = []
+    content: list[str | Image.Image] = []
     for k in range(1, len(episode.frames) + 1):
-        content += [{"type": "text", "text": f"frame {k}"}, {"type": "image"}]
-    content.append({"type": "text", "text": question})
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
-    out = processor(text=[text], images=list(episode.frames), return_tensors="pt")
-    ids: torch.Tensor = out["input_ids"][0]
-    return ids
+        content += [f"frame {k}", episode.frames[k - 1]]
+    content.append(question)
+    return adapter.processor_ids(content)

@@ -19,6 +19,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, TextInput
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.recompute import selective_recompute
 from bench.methods import (
     KV_STORAGE_BYTES,
     concat_kv,
@@ -33,7 +34,6 @@ from bench.video_multihop_layout import (
     Case,
     Piece,
 )
-from bench.video_multihop_recompute import recompute_mrope
 from cache.layout import ChunkKV
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
@@ -135,16 +135,7 @@ class Store:
 
     def embeds(self, chunks: Sequence[ChunkInput]) -> torch.Tensor:
         """Input embeddings ``[N, hidden]``: vision features from the feature cache at image pads."""
-        table = self.adapter.model.get_input_embeddings()
-        out = []
-        for chunk in chunks:
-            with torch.inference_mode():
-                e = table(chunk.ids.to(self.adapter.device))
-            if isinstance(chunk, ImageInput):
-                e = e.clone()
-                e[chunk.ids.to(e.device) == self.adapter.image_token_id] = self.adapter.image_features(chunk)
-            out.append(e)
-        return torch.cat(out)
+        return torch.cat([self.adapter.embed(chunk) for chunk in chunks])
 
 
 class Built(NamedTuple):
@@ -206,7 +197,7 @@ def build_methods(
     for name, selection in selections.items():
         t0 = time.perf_counter()
         embeds = store.embeds([prefix, *[p.chunk for p in case.target]])
-        rec = recompute_mrope(adapter, embeds, at.positions, *blind, selection)
+        rec = selective_recompute(adapter, embeds, at.positions, *blind, selection)
         seconds = out["blind"].seconds + time.perf_counter() - t0
         out[name] = Built(rec.k, rec.v, seconds, recompute=rec.selected.numel() / max(1, candidates.numel()))
     return out

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
 from demos.retrieval import FrameRecord, make_retrieval
@@ -144,7 +145,7 @@ class VideoSession:
             return None
         ids = encode_text(self.adapter, question).ids.to(self.adapter.device)
         with torch.inference_mode():
-            emb = self.adapter.model.get_input_embeddings()(ids)  # type: ignore[attr-defined]
+            emb = self.adapter.embed_ids(ids)
         return emb.float().mean(0).cpu()
 
     def answer(self, q: Asked, now: float) -> None:
@@ -240,7 +241,7 @@ class VideoSession:
             chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
             _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
             answers.append(answer.strip())
-            calls += int(getattr(fresh, "vision_encoder_calls", 0))
+            calls += encoder_calls(fresh)
         return {
             "reencode_total_s": time.perf_counter() - t0,
             "reencode_vision_encoder_calls": calls,

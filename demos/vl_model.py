@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agent.adapters.base import ModelAdapter, TextInput
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
-from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.adapters.vision import VisionAdapter
 from agent.byte_tokenizer import ByteTokenizer
 from tools.world import WORLD_VL_DIR
 
@@ -36,26 +36,18 @@ def default_model_dir() -> Path:
 
 def load_vl_adapter(model: str | None) -> ModelAdapter:
     """A vision-language adapter: a checkpoint folder, the default world model, or ``tiny``."""
-    if model == TINY:
-        from agent.adapters.tiny import tiny_adapter
-
-        adapter = tiny_adapter("qwen2.5-vl")
-        adapter.tokenizer = ByteTokenizer()
-        return adapter
-    adapter = load_adapter(str(default_model_dir() if model is None else model))
-    if not hasattr(adapter, "image"):
+    spec = model if model == TINY else str(default_model_dir() if model is None else model)
+    adapter = load_adapter(spec, tokenizer=ByteTokenizer())
+    if not isinstance(adapter, VisionAdapter):
         raise UnsupportedModelError(f"{adapter.info.name} ({adapter.info.architecture}) takes no images")
     return adapter
 
 
 def fresh_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """The same weights behind a new adapter: an empty vision feature cache, its own counters."""
-
-    if not isinstance(adapter, QwenVLAdapter):
+    if not isinstance(adapter, VisionAdapter):
         raise TypeError(f"no fresh copy for {type(adapter).__name__}")
-    copy = QwenVLAdapter(adapter.model, adapter.processor, adapter.info.name)
-    copy.tokenizer = adapter.tokenizer
-    return copy
+    return adapter.fresh()
 
 
 def encode_text(adapter: ModelAdapter, text: str) -> TextInput:

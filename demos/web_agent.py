@@ -40,9 +40,10 @@ from typing import Any
 
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError
+from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.grammar import GrammarError
-from agent.loop import Agent, encoder_calls
+from agent.loop import Agent
 from agent.policies import MIN_ACTION_TOKENS, Action, ActionPolicy, Unparsed
 from cache.keys import digest_key
 from demos.report import render_run

@@ -11,10 +11,11 @@ from PIL import Image, ImageDraw
 
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
-from agent.adapters.tiny import BUILDERS, tiny_adapter
+from agent.adapters.tiny import BUILDERS, VISION_FAMILIES
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from cache.arena import KVArena
 
-TEXT_FAMILIES = [n for n in BUILDERS if n != "qwen2.5-vl"]
+TEXT_FAMILIES = [n for n in BUILDERS if n not in VISION_FAMILIES]
 
 
 def picture(seed: int, size: tuple[int, int] = (112, 84)) -> Image.Image:
@@ -38,7 +39,8 @@ def check_relocation(adapter: ModelAdapter, chunk, start: int, key_tol: float = 
     assert max_rel(v_moved, v_direct) <= key_tol
     assert v_moved is canonical.v  # the position-free part is reused byte for byte, never copied
     query = adapter.text(torch.arange(5, 12))
-    on_moved = adapter.prefill(query, adapter.assemble([(k_moved, v_moved)]), start + canonical.extent).logits
+    moved = adapter.new_cache([(k_moved, v_moved)])
+    on_moved = adapter.prefill(query, moved, start + canonical.extent).logits
     cache = adapter.empty_cache()
     adapter.prefill(chunk, cache, start)
     on_direct = adapter.prefill(query, cache, start + canonical.extent).logits
@@ -48,7 +50,7 @@ def check_relocation(adapter: ModelAdapter, chunk, start: int, key_tol: float = 
 @pytest.mark.parametrize("name", TEXT_FAMILIES)
 @pytest.mark.parametrize("start", [1, 37, 150])
 def test_text_chunk_relocation_is_exact(name: str, start: int) -> None:
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     check_relocation(
         adapter,
         adapter.text(torch.randint(2, 500, (24,), generator=torch.Generator().manual_seed(start))),
@@ -57,7 +59,7 @@ def test_text_chunk_relocation_is_exact(name: str, start: int) -> None:
 
 
 def test_mla_stores_the_latent_not_expanded_kv() -> None:
-    adapter = tiny_adapter("deepseek-mla")
+    adapter = load_adapter("tiny:deepseek-mla")
     kv = adapter.encode(adapter.text(torch.arange(2, 30)))
     cfg = adapter.model.config  # type: ignore[attr-defined]
     assert kv.family == "mla"
@@ -68,27 +70,48 @@ def test_mla_stores_the_latent_not_expanded_kv() -> None:
 
 
 def test_yarn_scaling_is_divided_out() -> None:
-    adapter = tiny_adapter("deepseek-mla-yarn")
+    adapter = load_adapter("tiny:deepseek-mla-yarn")
     assert adapter.spec.attention_scaling != 1.0
     check_relocation(adapter, adapter.text(torch.arange(3, 40)), 61)
 
 
-def test_image_chunk_relocation_is_exact_under_mrope() -> None:
-    adapter = tiny_adapter("qwen2.5-vl")
-    chunk = adapter.image(picture(1))  # type: ignore[attr-defined]
+def vision(name: str) -> VisionAdapter:
+    adapter = load_adapter(f"tiny:{name}")
+    assert isinstance(adapter, VisionAdapter)
+    return adapter
+
+
+@pytest.mark.parametrize("name", sorted(VISION_FAMILIES))
+@pytest.mark.parametrize("start", [23, 301])
+def test_image_chunk_relocation_is_exact_under_mrope(name: str, start: int) -> None:
+    """An image chunk's KV, encoded alone at 0 and re-rotated on all three M-RoPE axes, equals
+    the image prefilled at ``start`` (Qwen3-VL: interleaved sections, DeepStack inside the
+    forward)."""
+    adapter = vision(name)
+    chunk = adapter.image(picture(1))
     positions, extent = adapter.chunk_positions(chunk)
     assert positions.shape == (3, chunk.n_tokens)
     assert extent < chunk.n_tokens  # a grid's extent is its longer side, not its token count
-    check_relocation(adapter, chunk, 23)
+    check_relocation(adapter, chunk, start)
 
 
-def test_qwen_vl_positions_and_logits_match_the_full_forward() -> None:
+def test_qwen3_vl_rope_spec_is_the_interleaved_layout() -> None:
+    adapter = vision("qwen3-vl")
+    assert adapter.spec.mrope_interleaved
+    assert adapter.spec.mrope_section == (2, 3, 3)
+    # frequency j reads h when j % 3 == 1, w when j % 3 == 2 (up to 3 * section), t otherwise
+    assert adapter.spec.frequency_axes == (0, 1, 2, 0, 1, 2, 0, 1)
+    assert not vision("qwen2.5-vl").spec.mrope_interleaved
+
+
+@pytest.mark.parametrize("name", sorted(VISION_FAMILIES))
+def test_qwen_vl_positions_and_logits_match_the_full_forward(name: str) -> None:
     """Chunk-by-chunk prefill (text, image, text) equals HF's own forward on the whole prompt."""
-    adapter = tiny_adapter("qwen2.5-vl")
-    image = adapter.image(picture(2))  # type: ignore[attr-defined]
+    adapter = vision(name)
+    image = adapter.image(picture(2))
     before, after = adapter.text(torch.arange(10, 17)), adapter.text(torch.arange(30, 36))
     ids = torch.cat([before.ids, image.ids, after.ids])[None]
-    types = (ids == adapter.image_token_id).int()  # type: ignore[attr-defined]
+    types = (ids == adapter.image_token_id).int()
     grid = torch.tensor([image.grid_thw])
     model = adapter.model  # type: ignore[attr-defined]
     ref_pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid)
@@ -103,28 +126,53 @@ def test_qwen_vl_positions_and_logits_match_the_full_forward() -> None:
         ref = model(
             input_ids=ids, pixel_values=image.pixel_values, image_grid_thw=grid, mm_token_type_ids=types
         ).logits[0]
-    cache, start, logits = adapter.empty_cache(), 0, []
-    for chunk in (before, image, after):
-        logits.append(adapter.prefill(chunk, cache, start).logits)
-        start += adapter.chunk_positions(chunk)[1]
-    assert float((torch.cat(logits) - ref).abs().max()) < 1e-4
+    torch.testing.assert_close(adapter.reference_logits([before, image, after]), ref)
+
+    def chunked() -> torch.Tensor:
+        cache, start, logits = adapter.empty_cache(), 0, []
+        for chunk in (before, image, after):
+            logits.append(adapter.prefill(chunk, cache, start).logits)
+            start += adapter.chunk_positions(chunk)[1]
+        return torch.cat(logits)
+
+    assert float((chunked() - ref).abs().max()) < 1e-4
+    if name == "qwen3-vl":  # DeepStack enters inside the adapter's forward, and it matters
+        feats = adapter.vision_features(image)
+        assert len(feats.deepstack) == 2
+        assert all(d.shape == feats.embeds.shape for d in feats.deepstack)
+        adapter._forward_kwargs = lambda chunks: {}  # type: ignore[method-assign]
+        assert float((chunked() - ref).abs().max()) > 1e-3
 
 
-def test_vision_encoder_runs_once_per_image() -> None:
-    adapter = tiny_adapter("qwen2.5-vl")
-    a, b = adapter.image(picture(3)), adapter.image(picture(4))  # type: ignore[attr-defined]
-    again = adapter.image(picture(3))  # type: ignore[attr-defined]
+@pytest.mark.parametrize("name", sorted(VISION_FAMILIES))
+def test_vision_encoder_runs_once_per_image(name: str) -> None:
+    adapter = vision(name)
+    a, b = adapter.image(picture(3)), adapter.image(picture(4))
+    again = adapter.image(picture(3))
     assert again.content_key == a.content_key != b.content_key
     for chunk in (a, b, again, a):
         adapter.encode(chunk)
-    assert adapter.vision_encoder_calls == 2  # type: ignore[attr-defined]
+    assert adapter.vision_encoder_calls == encoder_calls(adapter) == 2
+    cache = adapter.empty_cache()
+    adapter.prefill_many([adapter.text(torch.arange(3, 9)), b, a], cache, 0)  # both cached
+    assert adapter.vision_encoder_calls == 2
+    fresh = adapter.fresh()
+    assert fresh.vision_encoder_calls == 0
+    assert adapter.vision_encoder_calls == 2
+    fresh.encode(a)
+    assert fresh.vision_encoder_calls == 1
+    adapter.clear_vision_cache()
+    adapter.encode(a)
+    assert adapter.vision_encoder_calls == 3
+    assert encoder_calls(load_adapter("tiny:llama-gqa")) == 0
 
 
 def test_text_model_refuses_images_and_unknown_models(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    adapter = tiny_adapter("llama-gqa")
-    vl = tiny_adapter("qwen2.5-vl")
+    adapter = load_adapter("tiny:llama-gqa")
+    vl = vision("qwen2.5-vl")
+    assert not isinstance(adapter, VisionAdapter)
     with pytest.raises(TypeError, match="text-only"):
-        adapter.encode(vl.image(picture(5)))  # type: ignore[attr-defined]
+        adapter.encode(vl.image(picture(5)))
     with pytest.raises(ModelNotFoundError):
         load_adapter(str(tmp_path / "missing"))
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
@@ -138,7 +186,7 @@ def test_smollm2_relocation_and_greedy_answer(smollm2: ModelAdapter) -> None:
     check_relocation(smollm2, text, 100, key_tol=1e-5)
     question = smollm2.text(tok(" The Eiffel Tower is located in the city of")["input_ids"])
     kv = smollm2.encode(text)
-    cache = smollm2.assemble([kv.place(0, smollm2.spec)])
+    cache = smollm2.new_cache([kv.place(0, smollm2.spec)])
     out = smollm2.generate(question, cache, kv.extent, max_new_tokens=3)
     assert "Paris" in tok.decode(out.tokens)
 
@@ -147,14 +195,14 @@ def test_smollm2_relocation_and_greedy_answer(smollm2: ModelAdapter) -> None:
 def test_a_cache_over_an_arena_runs_like_a_dynamic_cache(name: str) -> None:
     """New tokens go into the arena's spare room (growing it when full); logits, the grown
     cache's keys and values, and next_logits all equal the plain cache path."""
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     context = adapter.text(torch.arange(3, 40))
     kv = adapter.encode(context)
     k, v = kv.place(0, adapter.spec)
     arena = KVArena(k.shape[0], (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), capacity=40)
     arena.k[:, :, : k.shape[2]], arena.v[:, :, : v.shape[2]] = k, v
     arena.reset(k.shape[2])
-    on_arena, plain = adapter.cache_on(arena), adapter.assemble([(k, v)])
+    on_arena, plain = adapter.new_cache(arena), adapter.new_cache([(k, v)])
     query = adapter.text(torch.arange(5, 12))  # 37 + 7 > 40: the arena grows once
     got = adapter.prefill(query, on_arena, kv.extent)
     want = adapter.prefill(query, plain, kv.extent)
@@ -178,7 +226,7 @@ def test_a_cache_over_an_arena_runs_like_a_dynamic_cache(name: str) -> None:
 def test_grouped_query_attention_without_copies_matches_sdpa(name: str) -> None:
     """The adapter switches CPU models to ``kamera_sdpa``; new tokens over a cache (a mask, grouped
     heads) give transformers' own ``sdpa`` results."""
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     assert adapter.model.config._attn_implementation == "kamera_sdpa"
     context, query = adapter.text(torch.arange(3, 40)), adapter.text(torch.arange(5, 12))
     out = {}
@@ -188,3 +236,29 @@ def test_grouped_query_attention_without_copies_matches_sdpa(name: str) -> None:
         adapter.prefill(context, cache, 0)
         out[impl] = adapter.prefill(query, cache, 37).logits
     torch.testing.assert_close(out["kamera_sdpa"], out["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapter_names_the_tiny_models() -> None:
+    plain = load_adapter("tiny")
+    assert isinstance(plain, VisionAdapter)
+    assert plain.info.name == "tiny-qwen2.5-vl"
+    assert plain.tokenizer is None
+    marker = object()
+    text = load_adapter("tiny:llama-gqa", tokenizer=marker)
+    assert text.tokenizer is marker
+    assert text.info.fingerprint == load_adapter("tiny:llama-gqa").info.fingerprint  # seeded weights
+    assert load_adapter("tiny:llama-gqa") is not text  # a new model each call
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        load_adapter("tiny:bert")
+
+
+def test_new_cache_takes_one_pair_over_and_joins_several() -> None:
+    adapter = load_adapter("tiny:llama-gqa")
+    k, v = adapter.encode(adapter.text(torch.arange(3, 20))).place(0, adapter.spec)
+    one = adapter.new_cache([(k, v)])
+    assert adapter.layer_kv(one, 0)[0].data_ptr() == k[0].data_ptr()  # no copy
+    two = adapter.new_cache([(k[:, :, :5], v[:, :, :5]), (k[:, :, 5:], v[:, :, 5:])])
+    assert adapter.cache_length(two) == adapter.cache_length(one) == 17
+    assert torch.equal(adapter.layer_kv(two, 2)[0], k[2])
+    with pytest.raises(ValueError, match="layers"):
+        adapter.new_cache([(k[:2], v[:2])])

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from agent.adapters.base import ModelAdapter, TextInput
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, RecallError, Source, WindowConfig
 from cache.arena import StaleCacheError
 from cache.patch import PatchConfig
@@ -33,7 +34,7 @@ FULL_RANK = PatchConfig(rank=rank_strategy("fixed", rank=64), storage="float32",
 
 @pytest.fixture(scope="module")
 def adapter() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def pool(n: int = 6) -> list[TextInput]:
@@ -71,7 +72,7 @@ class Reference:
         return out
 
     def append(self, chunk_id: str, chunk: TextInput) -> None:
-        cache = self.adapter.assemble(self.placed())
+        cache = self.adapter.new_cache(self.placed())
         start = sum(c.k.shape[2] for c in self.window)  # the reference window sits at position 0
         kv = self.adapter.prefill(chunk, cache, start).kv
         self.window.append(RefChunk(chunk_id, kv.k, kv.v))
@@ -101,7 +102,7 @@ def check(cm: ContextManager, ref: Reference, adapter: ModelAdapter) -> None:
     # and the model reads the same next token from it as from the reference at offset 0
     probe = TextInput(torch.tensor([11, 12, 13]))
     got = adapter.next_logits(probe, cache, cm.next_start)
-    want = adapter.next_logits(probe, adapter.assemble(ref.placed(0)), cm.tokens)
+    want = adapter.next_logits(probe, adapter.new_cache(ref.placed(0)), cm.tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cm.invalidate()
 
@@ -192,12 +193,14 @@ def test_recall_after_store_eviction_recomputes_and_says_so(adapter: ModelAdapte
     assert cm.counters.recompute_on_miss == 1
 
 
-def test_vision_encoder_runs_once_per_distinct_image_over_a_long_session() -> None:
-    adapter = tiny_adapter("qwen2.5-vl")
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
+def test_vision_encoder_runs_once_per_distinct_image_over_a_long_session(name: str) -> None:
+    adapter = load_adapter(f"tiny:{name}")
+    assert isinstance(adapter, VisionAdapter)
     store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
     cm = ContextManager(adapter, store, WindowConfig(budget_tokens=80), TextInput(torch.arange(2, 6)))
     colours = ["red", "green", "blue", "yellow", "purple"]
-    images = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]  # type: ignore[attr-defined]
+    images = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]
     seen = []
     for step in range(14):
         cm.append(images[(step * 3) % 5])  # repeats, and the window slides as it fills
@@ -208,7 +211,7 @@ def test_vision_encoder_runs_once_per_distinct_image_over_a_long_session() -> No
     order = [v.chunk_id for v in cm.view()[1:]]
     cm.reorder(order[::-1])
     cm.cache()
-    assert adapter.vision_encoder_calls == len(set(seen)) == 5  # type: ignore[attr-defined]
+    assert adapter.vision_encoder_calls == len(set(seen)) == 5
 
 
 def test_conditioned_keep_recalls_the_exact_kv_without_extra_passes(adapter: ModelAdapter) -> None:
@@ -256,7 +259,7 @@ def test_reorder_with_orbit_patches_needs_no_forward_pass(adapter: ModelAdapter)
     deltas = []
     canonical_a = adapter.encode(a)
     for order in ((a, b), (b, a)):
-        cache = adapter.assemble([prefix_kv.place(0, adapter.spec)])
+        cache = adapter.new_cache([prefix_kv.place(0, adapter.spec)])
         start = prefix_kv.extent
         for chunk in order:
             out = adapter.prefill(chunk, cache, start)
@@ -323,15 +326,15 @@ def test_a_cache_from_before_a_window_change_refuses_to_write(adapter: ModelAdap
         adapter.next_logits(probe, fresh, start)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl", "deepseek-mla"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl", "qwen3-vl", "deepseek-mla"])
 def test_append_many_equals_appending_one_by_one(name: str) -> None:
     """Several chunks in one forward pass (split where the budget requires, sliding as needed):
     the same window, the same KV, the same answer as appending them one at a time."""
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     prefix = TextInput(torch.arange(2, 8))
-    if name == "qwen2.5-vl":
+    if isinstance(adapter, VisionAdapter):
         colours = ["red", "green", "blue", "red", "purple"]
-        chunks = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]  # type: ignore[attr-defined]
+        chunks = [adapter.image(Image.new("RGB", (56, 56), c)) for c in colours]
     else:
         chunks = pool()[:5]
     budget = sum(c.n_tokens for c in chunks[1:]) + prefix.n_tokens  # the first one has to slide out
@@ -339,8 +342,8 @@ def test_append_many_equals_appending_one_by_one(name: str) -> None:
     for batched in (False, True):
         store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
         cm = ContextManager(adapter, store, WindowConfig(budget_tokens=budget), prefix)
-        calls = getattr(adapter, "vision_encoder_calls", 0)
-        if hasattr(adapter, "clear_vision_cache"):
+        calls = encoder_calls(adapter)
+        if isinstance(adapter, VisionAdapter):
             adapter.clear_vision_cache()
         if batched:
             ids = cm.append_many(chunks, [{"i": i} for i in range(len(chunks))])
@@ -348,8 +351,8 @@ def test_append_many_equals_appending_one_by_one(name: str) -> None:
         else:
             for i, chunk in enumerate(chunks):
                 cm.append(chunk, {"i": i})
-        if name == "qwen2.5-vl":  # four distinct images, each encoded once
-            assert adapter.vision_encoder_calls - calls == 4  # type: ignore[attr-defined]
+        if isinstance(adapter, VisionAdapter):  # four distinct images, each encoded once
+            assert encoder_calls(adapter) - calls == 4
         view = cm.view()
         assert [v.meta["i"] for v in view[1:]] == [1, 2, 3, 4]
         kvs = [cm.placed_kv(i) for i in range(len(view))]

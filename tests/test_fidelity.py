@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity import main
 from bench.fidelity_data import QAItem, in_split, load_items
@@ -25,7 +25,7 @@ ITEM = QAItem(
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def test_reference_equals_direct_prefill(llama: ModelAdapter) -> None:

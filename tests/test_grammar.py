@@ -13,7 +13,8 @@ import jsonschema
 import pytest
 import torch
 
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.base import ModelAdapter
+from agent.adapters.loading import load_adapter
 from agent.grammar import GrammarEngine, GrammarError, json_schema_grammar, unpack_bitmask
 from agent.server.chat import ByteTokenizer
 from agent.server.generation import SamplingParams, decode
@@ -32,16 +33,13 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tiny() -> object:
-    adapter = tiny_adapter("llama-gqa")
-    adapter.tokenizer = ByteTokenizer()
-    return adapter
+def tiny() -> ModelAdapter:
+    return load_adapter("tiny:llama-gqa", tokenizer=ByteTokenizer())
 
 
 @pytest.fixture(scope="module")
-def engine(tiny: object) -> GrammarEngine:
-    vocab = int(tiny.model.get_input_embeddings().weight.shape[0])  # type: ignore[attr-defined]
-    return GrammarEngine(ByteTokenizer(), tiny.eos_ids, vocab)  # type: ignore[attr-defined]
+def engine(tiny: ModelAdapter) -> GrammarEngine:
+    return GrammarEngine(ByteTokenizer(), tiny.eos_ids, tiny.vocab_size)
 
 
 def test_unpack_bitmask_matches_bit_by_bit_reference() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
 from agent.loop import Agent, TextObservation
 from agent.server.chat import ByteTokenizer
@@ -17,7 +17,7 @@ NOTES = [TextObservation(" ".join(f"note {i}.{j} is {i * j}" for j in range(12))
 
 @pytest.fixture(scope="module")
 def llama() -> Any:
-    adapter = tiny_adapter("llama-gqa")
+    adapter = load_adapter("tiny:llama-gqa")
     adapter.tokenizer = ByteTokenizer()
     return adapter
 

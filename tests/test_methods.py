@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from agent.recompute import DeviationSelection, FixedSelection
 from bench.methods import (
     PrefixCache,
@@ -31,7 +31,7 @@ from cache.rope import rotate
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def test_kl_matches_the_definition() -> None:
@@ -96,7 +96,7 @@ def test_oracles_are_listed_apart() -> None:
 
 
 def test_prefix_cache_reuses_the_longest_unchanged_leading_run() -> None:
-    adapter = tiny_adapter("llama-gqa")
+    adapter = load_adapter("tiny:llama-gqa")
     prefix, q = adapter.text(torch.arange(2, 8)), adapter.text(torch.arange(40, 44))
     chunks = [adapter.text(torch.arange(100 + 10 * i, 108 + 10 * i)) for i in range(4)]
     ids = [f"c{i}" for i in range(4)]

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from agent.adapters.base import ImageInput
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from agent.server.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
 from agent.server.generation import Sampler, SamplingParams, TextStream, decode
 from agent.server.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
@@ -25,14 +25,14 @@ CONFIG = PromptCacheConfig(planner=PlannerConfig(cdc=CDCConfig(min_size=8, avg_s
 
 @pytest.fixture(scope="module")
 def llama() -> Any:
-    adapter = tiny_adapter("llama-gqa")
+    adapter = load_adapter("tiny:llama-gqa")
     adapter.tokenizer = ByteTokenizer()
     return adapter
 
 
 @pytest.fixture(scope="module")
 def qwen_vl() -> Any:
-    adapter = tiny_adapter("qwen2.5-vl")
+    adapter = load_adapter("tiny:qwen2.5-vl")
     adapter.tokenizer = ByteTokenizer()
     return adapter
 

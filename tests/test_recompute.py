@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.tiny import tiny_adapter
-from agent.recompute import DeviationSelection, FixedSelection, first_tokens, selective_recompute
+from agent.adapters.loading import load_adapter
+from agent.recompute import (
+    DeviationSelection,
+    FixedSelection,
+    first_tokens,
+    recompute_into,
+    selective_recompute,
+)
+from cache.arena import KVArena
 from tests._util import max_rel
 
 PREFIX, CHUNK = 6, 14
@@ -15,7 +22,7 @@ PREFIX, CHUNK = 6, 14
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return tiny_adapter("llama-gqa")
+    return load_adapter("tiny:llama-gqa")
 
 
 def _setup(
@@ -96,6 +103,64 @@ def test_rejects_bad_input(llama: ModelAdapter) -> None:
         selective_recompute(
             llama, ids[:-1], torch.arange(ids.numel() - 1), k, v, FixedSelection(torch.arange(2))
         )
-    mla = tiny_adapter("deepseek-mla")
+    mla = load_adapter("tiny:deepseek-mla")
     with pytest.raises(TypeError, match="GQA"):
         selective_recompute(mla, ids, torch.arange(ids.numel()), k, v, FixedSelection(torch.arange(2)))
+
+
+def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None:
+    """The model cache's own tensors take the recomputed rows (no copy of the context): the same
+    result as on buffers, the same storage before and after, and the tokens not chosen untouched."""
+    ids, _, _, k, v = _setup(llama)
+    positions = torch.arange(ids.numel())
+    sel = DeviationSelection(0.25, torch.arange(PREFIX, ids.numel()))
+    want = selective_recompute(llama, ids, positions, k, v, sel)
+    cache = llama.new_cache([(k.clone(), v.clone())])
+    layers = range(llama.info.n_layers)
+    before = [llama.layer_kv(cache, i)[0].data_ptr() for i in layers]
+    assert recompute_into(llama, cache, ids, positions, sel) == want.selected.numel()
+    assert [llama.layer_kv(cache, i)[0].data_ptr() for i in layers] == before
+    got_k = torch.stack([llama.layer_kv(cache, i)[0] for i in layers])
+    got_v = torch.stack([llama.layer_kv(cache, i)[1] for i in layers])
+    assert torch.equal(got_k, want.k)
+    assert torch.equal(got_v, want.v)
+
+
+def test_recompute_from_embeddings_equals_from_ids(llama: ModelAdapter) -> None:
+    ids, _, _, k, v = _setup(llama)
+    positions = torch.arange(ids.numel())
+    sel = FixedSelection(first_tokens([PREFIX, PREFIX + CHUNK], [CHUNK, CHUNK], 4))
+    by_ids = selective_recompute(llama, ids, positions, k, v, sel)
+    by_embeds = selective_recompute(llama, llama.embed_ids(ids), positions, k, v, sel)
+    assert torch.equal(by_ids.k, by_embeds.k)
+    assert torch.equal(by_ids.selected, by_embeds.selected)
+
+
+def test_models_whose_layers_cannot_run_on_rows_say_so() -> None:
+    qwen3 = load_adapter("tiny:qwen3-vl")
+    assert not qwen3.supports_recompute
+    ids = torch.arange(3, 9)
+    cache = qwen3.prefill(qwen3.text(ids), qwen3.empty_cache(), 0).cache
+    with pytest.raises(TypeError, match="DeepStack"):
+        recompute_into(qwen3, cache, ids, torch.arange(6).expand(3, -1), FixedSelection(torch.arange(2)))
+    assert load_adapter("tiny:llama-gqa").supports_recompute
+    assert not load_adapter("tiny:deepseek-mla").supports_recompute
+
+
+def test_recompute_into_an_arena_cache_survives_the_next_forward(llama: ModelAdapter) -> None:
+    """A window's cache shows its arena: the recomputed rows are written into the arena, so the
+    next forward (which shows the arena's tokens again) still attends to them."""
+    ids, _, _, k, v = _setup(llama)
+    n = ids.numel()
+    arena = KVArena(k.shape[0], (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), capacity=n + 8)
+    arena.k[:, :, :n], arena.v[:, :, :n] = k, v
+    arena.reset(n)
+    cache = llama.new_cache(arena)
+    sel = FixedSelection(torch.arange(PREFIX, n))
+    recompute_into(llama, cache, ids, torch.arange(n), sel)
+    want = selective_recompute(llama, ids, torch.arange(n), k, v, sel)
+    assert torch.equal(arena.k[:, :, :n], want.k)
+    probe = llama.text(torch.tensor([5, 6, 7]))
+    got = llama.prefill(probe, cache, n).logits
+    torch.testing.assert_close(got, llama.prefill(probe, llama.new_cache([(want.k, want.v)]), n).logits)
+    assert torch.equal(llama.layer_kv(cache, 1)[0][:, :n], want.k[1])

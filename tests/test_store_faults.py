@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from agent.adapters.tiny import tiny_adapter
+from agent.adapters.loading import load_adapter
 from agent.server.chat import ByteTokenizer, Message
 from agent.server.prompt_cache import PromptCache
 from cache.store import (
@@ -325,7 +325,7 @@ PROMPTS = [[Message("system", (LEDGER,)), Message("user", (f"Question {q}?",))] 
 
 @pytest.fixture(scope="module")
 def llama() -> Any:
-    adapter = tiny_adapter("llama-gqa")
+    adapter = load_adapter("tiny:llama-gqa")
     adapter.tokenizer = ByteTokenizer()
     return adapter
 

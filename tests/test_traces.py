@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from agent.adapters.tiny import VOCAB, tiny_adapter
+from agent.adapters.loading import load_adapter
+from agent.adapters.tiny import VOCAB
 from bench.methods import kl_divergence
 from bench.traces import main
 from bench.traces_consistency import (
@@ -102,7 +103,7 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["llama-gqa", "deepseek-mla"])
 def test_all_misses_chunk_by_chunk_equal_full_prefill(name: str) -> None:
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     ids = _ids(60, 1)
     full = adapter.prefill(adapter.text(ids), adapter.empty_cache(), 0)
     ref = adapter.generate(adapter.text(ids), full.cache, 0, 8, first_logits=full.logits[-1])
@@ -116,7 +117,7 @@ def test_all_misses_chunk_by_chunk_equal_full_prefill(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["llama-gqa", "deepseek-mla"])
 def test_blind_relocation_of_an_unconditioned_first_chunk_equals_full_prefill(name: str) -> None:
-    adapter = tiny_adapter(name)
+    adapter = load_adapter(f"tiny:{name}")
     a, junk, rest = _ids(24, 2), _ids(10, 3), _ids(20, 4)
     # the source request holds A at 0, before anything: its KV is KV(A|∅)
     source = adapter.prefill(adapter.text(torch.cat([a, junk])), adapter.empty_cache(), 0).kv
@@ -155,7 +156,7 @@ def test_plan_pieces_relocates_and_ends_on_a_miss() -> None:
 
 
 def test_mla_latent_is_reused_byte_for_byte_and_only_k_rope_rotates() -> None:
-    adapter = tiny_adapter("deepseek-mla")
+    adapter = load_adapter("tiny:deepseek-mla")
     r = consistency_turn(adapter, _dynamic_prompts([1, 22, 333]), CFG, VOCAB, max_new_tokens=4)
     assert r.reused["relocated"] > 0
     assert r.latent_identical is True

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ImageInput
-from agent.recompute import FixedSelection
+from agent.recompute import FixedSelection, selective_recompute
 from bench.answers import Codec
 from bench.video_multihop import load_model, main
 from bench.video_multihop_eval import fresh_adapter
@@ -25,7 +25,6 @@ from bench.video_multihop_layout import (
     text_encoder,
 )
 from bench.video_multihop_methods import Store, content_id, context_pass, placement
-from bench.video_multihop_recompute import recompute_mrope
 from tools.world.render import make_split
 
 
@@ -97,7 +96,7 @@ def test_reprefill_equals_a_direct_hf_forward(adapter: Any, enc: Encoders) -> No
     tail = enc.text(TAIL.format(question=episode.questions[-1].text))
     ref = context_pass(adapter, prefix, pieces)
     end = placement(adapter, prefix, pieces).end
-    got = adapter.prefill(tail, adapter.cache_from(ref.k, ref.v), end).logits
+    got = adapter.prefill(tail, adapter.new_cache([(ref.k, ref.v)]), end).logits
 
     chunks = [prefix, *[p.chunk for p in pieces], tail]
     images = [c for c in chunks if isinstance(c, ImageInput)]
@@ -119,8 +118,9 @@ def test_reprefill_equals_a_direct_hf_forward(adapter: Any, enc: Encoders) -> No
 
 
 def test_recompute_of_every_token_is_the_full_prefill(adapter: Any, enc: Encoders) -> None:
-    """CacheBlend/EPIC through the M-RoPE view: recomputing all tokens of a blind context gives
-    the reference KV (image tokens take their vision features, 3-D positions)."""
+    """CacheBlend/EPIC on an M-RoPE context: recomputing all tokens of a blind context from its
+    input embeddings gives the reference KV (image tokens take their vision features, 3-D
+    positions)."""
     episode = make_split("test", 1)[0]
     case = build_case("reorder", episode, make_split("val", 1)[0], enc)
     prefix = enc.text(PREFIX)
@@ -136,7 +136,7 @@ def test_recompute_of_every_token_is_the_full_prefill(adapter: Any, enc: Encoder
     assert (k - ref.k).abs().max() > 1e-3  # blind differs
     embeds = store.embeds([prefix, *[p.chunk for p in case.target]])
     n = int(k.shape[2])
-    rec = recompute_mrope(reuse, embeds, place.positions, k, v, FixedSelection(torch.arange(n)))
+    rec = selective_recompute(reuse, embeds, place.positions, k, v, FixedSelection(torch.arange(n)))
     torch.testing.assert_close(rec.k, ref.k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rec.v, ref.v, rtol=1e-4, atol=1e-4)
 

@@ -1,11 +1,16 @@
 """The adapter contract: the only place that knows how a transformers model holds its KV.
 
 An adapter turns chunk inputs (text token ids, an image) into :class:`cache.layout.ChunkKV` in
-the pre-RoPE frame, assembles placed chunks into the model's own cache object, and runs the
-model for new tokens on such a cache with explicit positions. Everything above it (context
-manager, planner, agent loop) speaks only ``ChunkKV``, positions and token ids.
+the pre-RoPE frame, builds the model's own cache over placed chunks (:meth:`ModelAdapter.new_cache`),
+and runs the model for new tokens on such a cache with explicit positions. For selective
+recompute it also embeds tokens and runs decoder layers on chosen rows of a cache
+(:meth:`ModelAdapter.run_layers`), so nothing above it touches the model. A model that takes
+images is a :class:`VisionAdapter`: image preprocessing, the vision encoder run once per
+distinct image, and the feature cache that makes that so. Everything above (context manager,
+planner, agent loop, server) speaks only ``ChunkKV``, positions, token ids and these types.
 
-Not here: which chunks to reuse or where to place them (``agent/context.py``), storage, patches.
+Not here: which chunks to reuse or where to place them (``agent/context.py``), storage, patches,
+which tokens to recompute (``agent/recompute.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +65,21 @@ class ImageInput:
 ChunkInput = TextInput | ImageInput
 
 
+class ModelCache(Protocol):
+    """A model's own cache of past tokens (transformers: a ``Cache``, per-layer keys and values).
+
+    Opaque above the adapter: only the adapter that made it (:meth:`ModelAdapter.empty_cache`,
+    :meth:`ModelAdapter.new_cache`) reads or writes it; callers hand it back and ask
+    :meth:`ModelAdapter.cache_length`.
+    """
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens; a negative one drops the last ``-max_length``."""
+        ...
+
+
 class Prefill(NamedTuple):
     """What :meth:`ModelAdapter.prefill` returns.
 
@@ -69,7 +89,19 @@ class Prefill(NamedTuple):
 
     logits: torch.Tensor
     kv: ChunkKV
-    cache: Any
+    cache: ModelCache
+
+
+class LayerRun(NamedTuple):
+    """What :meth:`ModelAdapter.run_layers` returns.
+
+    hidden: ``[R, hidden]``, the rows' output of the last layer run; k, v: the rows' fresh KV at
+    that layer in the ChunkKV layout, post-RoPE, ``[H_kv, R, D]``.
+    """
+
+    hidden: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class Generation(NamedTuple):
@@ -111,7 +143,7 @@ class ModelAdapter(ABC):
     """Contract between the runtime and one loaded model.
 
     All tensors returned are on the model's device. Positions are absolute sequence positions;
-    for M-RoPE models a ``[3, T]`` tensor, for others ``[T]``.
+    for M-RoPE models a ``[3, T]`` tensor, for others ``[T]``. A model cache holds one sequence.
     """
 
     info: ModelInfo
@@ -130,6 +162,11 @@ class ModelAdapter(ABC):
         return torch.device("cpu")
 
     @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (it may pad the tokenizer's vocabulary)."""
+
+    @property
     def arena_dims(self) -> ArenaDims:
         """The shapes of this model's KV in a window's arena (ChunkKV layout)."""
         i = self.info
@@ -139,28 +176,40 @@ class ModelAdapter(ABC):
     def chunk_positions(self, chunk: ChunkInput) -> tuple[torch.Tensor, int]:
         """The chunk's positions relative to its start and its extent."""
 
+    # --- model caches ---------------------------------------------------------------------
+
     @abstractmethod
-    def empty_cache(self) -> Any:
+    def empty_cache(self) -> ModelCache:
         """A model cache holding nothing."""
 
     @abstractmethod
-    def assemble(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """A model cache holding, in order, each chunk's post-RoPE ``(k, v)`` (ChunkKV layout).
+    def new_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | KVArena) -> ModelCache:
+        """A model cache over placed KV, the only way to build one that holds tokens.
 
-        The result owns its tensors: running the model on it never modifies the inputs.
+        ``kv``: post-RoPE ``(k, v)`` pairs in the ChunkKV layout (``k [L, H, T_i, D]``), held in
+        order; one pair is taken over as it is (no copy), several are concatenated into new
+        buffers. The model's forward never writes them (it appends to new per-layer tensors);
+        :meth:`run_layers` does, in place: give it a cache over tensors you own. Or a
+        :class:`KVArena`: the cache holds the arena's used tokens as views, and new tokens are
+        written into its spare room (growing it when full), copying nothing else.
+
+        Raises ValueError when the KV's layer count is not the model's.
         """
 
     @abstractmethod
-    def cache_from(self, k: torch.Tensor, v: torch.Tensor) -> Any:
-        """A model cache over whole-window buffers ``k [L, H, T, D]`` (post-RoPE) and ``v``."""
+    def append_placed(self, cache: ModelCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append post-RoPE ``k [L, H, T, D]`` and ``v`` (ChunkKV layout) after what ``cache``
+        holds, as the model's own next forward would append its new tokens."""
 
     @abstractmethod
-    def cache_on(self, arena: KVArena) -> Any:
-        """A model cache over ``arena``'s used tokens; new tokens are written into its spare room."""
+    def cache_length(self, cache: ModelCache) -> int:
+        """Tokens held by a model cache."""
+
+    # --- running the model ----------------------------------------------------------------
 
     @abstractmethod
     def prefill(
-        self, chunk: ChunkInput, cache: Any, start: int, placed: bool = False, last_only: bool = False
+        self, chunk: ChunkInput, cache: ModelCache, start: int, placed: bool = False, last_only: bool = False
     ) -> Prefill:
         """Run ``chunk`` at ``start`` attending to everything in ``cache`` (which grows).
 
@@ -170,7 +219,7 @@ class ModelAdapter(ABC):
         start``) instead of un-rotated to the pre-RoPE frame, so placing them back at ``start``
         reproduces this cache bit for bit."""
 
-    def prefill_many(self, chunks: Sequence[ChunkInput], cache: Any, start: int) -> list[ChunkKV]:
+    def prefill_many(self, chunks: Sequence[ChunkInput], cache: ModelCache, start: int) -> list[ChunkKV]:
         """Prefill ``chunks`` one after another from ``start`` (``cache`` grows by all of them);
         each one's KV, pre-RoPE, relative to its own start. Adapters may do it in one pass."""
         out = []
@@ -181,17 +230,20 @@ class ModelAdapter(ABC):
         return out
 
     @abstractmethod
-    def next_logits(self, chunk: ChunkInput, cache: Any, start: int) -> torch.Tensor:
+    def next_logits(self, chunk: ChunkInput, cache: ModelCache, start: int) -> torch.Tensor:
         """Like :meth:`prefill` (``cache`` grows by the chunk) but only the logits ``[vocab]``
         after its last token: no logits for the other tokens, no KV extracted."""
 
     @abstractmethod
-    def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
+    def kv_tail(self, cache: ModelCache, chunk: ChunkInput, start: int) -> ChunkKV:
         """The KV of ``chunk``, already the last tokens of ``cache`` at ``start``, pre-RoPE."""
 
     @abstractmethod
-    def cache_length(self, cache: Any) -> int:
-        """Tokens held by a model cache."""
+    def reference_logits(self, chunks: Sequence[ChunkInput], last_only: bool = False) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (``[1, vocab]`` with ``last_only``) of one plain forward of the
+        model over ``chunks`` from position 0, positions and vision features computed the
+        model's own way (images encoded afresh, the feature cache untouched): the reference a
+        chunked prefill must equal."""
 
     @abstractmethod
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
@@ -205,7 +257,7 @@ class ModelAdapter(ABC):
         return TextInput(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
 
     @abstractmethod
-    def decode_step(self, token: int, cache: Any, position: int) -> torch.Tensor:
+    def decode_step(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` of the token after ``token`` placed at ``position``."""
 
     @property
@@ -213,10 +265,52 @@ class ModelAdapter(ABC):
     def eos_ids(self) -> frozenset[int]:
         """Token ids that end a generation."""
 
+    # --- hooks for selective recompute (``agent/recompute.py``) ---------------------------
+
+    @abstractmethod
+    def embed(self, chunk: ChunkInput) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]`` of a chunk's tokens (an image's vision features at
+        its pad tokens; the encoder runs only on a feature-cache miss)."""
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]`` of token ids ``[T]``, as text."""
+        return self.embed(self.text(ids))
+
+    @property
+    def supports_recompute(self) -> bool:
+        """Whether the server's repair may recompute token ids of this model's contexts
+        (:meth:`run_layers` on text rows). False unless an adapter says so."""
+        return False
+
+    def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer`` of ``cache`` as ``(k, v)`` views ``[H, N, D]`` in the ChunkKV layout
+        (post-RoPE; MLA: ``k_rope`` and the latent): writing into them writes the cache."""
+        raise TypeError(f"{self.info.architecture}: no per-layer access to its cache")
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ModelCache,
+        layers: range,
+    ) -> LayerRun:
+        """Run decoder ``layers`` (consecutive) on some rows of the sequence ``cache`` holds.
+
+        hidden: ``[R, hidden]``, the rows' input to the first layer (from :meth:`embed`); rows:
+        sorted int64 ``[R]`` sequence indices into ``cache``; positions: the rows' absolute
+        positions, ``[R]`` (``[3, R]`` under M-RoPE). Each row attends to every cached token at
+        a sequence index up to its own, its own fresh KV included. Side effect: at every layer
+        run, the rows' fresh KV replace theirs in ``cache``, in place; nothing else is written
+        and the context is never copied. Raises TypeError where the model's layers cannot run
+        this way (MLA, DeepStack vision rows).
+        """
+        raise TypeError(f"{self.info.architecture}: selective recompute runs on GQA/MHA decoders only")
+
     def generate(
         self,
         prompt: ChunkInput,
-        cache: Any,
+        cache: ModelCache,
         start: int,
         max_new_tokens: int,
         first_logits: torch.Tensor | None = None,

@@ -18,10 +18,19 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from agent.adapters import attention
-from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, ModelInfo, Prefill, TextInput
+from agent.adapters.base import (
+    ChunkInput,
+    ImageInput,
+    LayerRun,
+    ModelAdapter,
+    ModelCache,
+    ModelInfo,
+    Prefill,
+    TextInput,
+)
+from agent.adapters.cache_layers import ArenaLayer, RowWriter, hf_layers
 from cache.arena import KVArena
 from cache.keys import Namespace, digest_key, image_key, token_key
 from cache.layout import ChunkKV, Family
@@ -54,50 +63,6 @@ def model_fingerprint(model: PreTrainedModel, name: str) -> str:
             parts.append(pname.encode())
             parts.append(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     return digest_key("model", parts).hex
-
-
-class ArenaLayer(DynamicLayer):
-    """One layer of a model cache whose tokens live in a :class:`KVArena`: the cached keys and
-    values are views of the arena's used tokens, and new ones are written into its spare room.
-
-    ``swap``: the model's key slot holds ChunkKV's ``v`` (MLA: the latent), its value slot ``k``.
-    """
-
-    def __init__(self, arena: KVArena, index: int, swap: bool) -> None:
-        super().__init__()
-        self.arena, self.index, self.swap = arena, index, swap
-        self.generation = arena.generation
-        self.device = arena.k.device
-        self.is_initialized = True
-        self._show()
-
-    def _show(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.arena.views(self.index)
-        self.keys, self.values = shown = (v, k) if self.swap else (k, v)
-        return shown
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = (value_states, key_states) if self.swap else (key_states, value_states)
-        if k.shape[0] != 1:
-            raise ValueError(f"a window cache holds one sequence, got a batch of {k.shape[0]}")
-        self.arena.append(self.index, k[0], v[0], self.generation)
-        return self._show()
-
-    def get_seq_length(self) -> int:
-        return self.arena.lengths[self.index]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        n = self.arena.lengths[self.index]
-        self.arena.lengths[self.index] = max(0, n + tokens_to_remove)
-        self._show()
 
 
 class DecoderAdapter(ModelAdapter):
@@ -152,6 +117,10 @@ class DecoderAdapter(ModelAdapter):
         return self._eos
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    @property
     def arena_dims(self) -> ArenaDims:
         """The shapes of this model's KV in a window's arena (ChunkKV layout)."""
         return ArenaDims(self.info.n_layers, self._kv_dims[0], self._kv_dims[1], self.info.dtype, self.device)
@@ -168,59 +137,25 @@ class DecoderAdapter(ModelAdapter):
         """ChunkKV (k, v) of one layer -> the HF cache's (key slot, value slot)."""
         return (v, k) if self.family == "mla" else (k, v)
 
-    def assemble(self, placed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        if not placed:
+    def new_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | KVArena) -> DynamicCache:
+        if isinstance(kv, KVArena):
+            return self._cache_on(kv)
+        if not kv:
             return self.empty_cache()
-        # k, v: [L, H, T_i, D] per chunk -> [L, H, sum T_i, D], one copy
-        ks = torch.cat([k for k, _ in placed], dim=2) if len(placed) > 1 else placed[0][0].clone()
-        vs = torch.cat([v for _, v in placed], dim=2) if len(placed) > 1 else placed[0][1].clone()
-        return self.cache_from(ks, vs)
-
-    def cache_from(self, k: torch.Tensor, v: torch.Tensor) -> DynamicCache:
-        """A cache over window buffers ``k [L, H, T, D]`` (post-RoPE) and ``v``, without copying.
-
-        The cache takes the buffers over: the model's next forward appends to per-layer copies,
-        so the buffers themselves are never written.
-        """
+        # k, v: [L, H, T_i, D] per chunk -> [L, H, sum T_i, D], one copy (none for one pair)
+        ks = torch.cat([k for k, _ in kv], dim=2) if len(kv) > 1 else kv[0][0]
+        vs = torch.cat([v for _, v in kv], dim=2) if len(kv) > 1 else kv[0][1]
+        if ks.shape[0] != self.info.n_layers or vs.shape[0] != self.info.n_layers:
+            raise ValueError(f"the KV has {ks.shape[0]} layers, the model {self.info.n_layers}")
         cache = self.empty_cache()
-        for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
+        for layer, (kl, vl) in enumerate(zip(ks, vs, strict=True)):
             key, value = self._to_slots(kl[None], vl[None])
             target = cache.layers[layer]
             target.lazy_initialization(key, value)  # type: ignore[union-attr]
             target.keys, target.values = key, value  # type: ignore[union-attr]
         return cache
 
-    def append_placed(self, cache: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append post-RoPE ``k [L, H, T, D]`` and ``v`` (ChunkKV layout) after what ``cache``
-        holds, as the model's own next forward would append its new tokens."""
-        for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
-            key, value = self._to_slots(kl[None], vl[None])
-            cache.layers[layer].update(key, value)
-
-    @property
-    def supports_recompute(self) -> bool:
-        """Whether :meth:`recompute_into` can run: text decoders with GQA/MHA layers."""
-        return self.family == "gqa" and type(self) is DecoderAdapter
-
-    def recompute_into(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, selection: Any) -> int:
-        """Selective recompute (``agent.recompute``) of the tokens ``selection`` picks among the
-        context ``cache`` holds (token ids ``[N]``, absolute positions ``[N]``); their KV in
-        ``cache`` is replaced at every layer. Returns how many tokens ran through every layer."""
-        from agent.recompute import selective_recompute
-
-        if not self.supports_recompute:
-            raise TypeError(f"{self.info.architecture}: selective recompute runs on GQA/MHA decoders only")
-        layers = cache.layers[: self.info.n_layers]
-        k = torch.stack([layer.keys[0] for layer in layers])  # [L, H, N, D]
-        v = torch.stack([layer.values[0] for layer in layers])
-        out = selective_recompute(self, ids, positions, k, v, selection)
-        for i, layer in enumerate(layers):
-            layer.keys, layer.values = out.k[i][None], out.v[i][None]
-        return int(out.selected.numel())
-
-    def cache_on(self, arena: KVArena) -> DynamicCache:
-        """A cache over ``arena``'s used tokens (post-RoPE, ChunkKV layout); the model's next
-        forward writes its new tokens into the arena's spare room, copying nothing else."""
+    def _cache_on(self, arena: KVArena) -> DynamicCache:
         if arena.n_layers != self.info.n_layers:
             raise ValueError(f"the arena has {arena.n_layers} layers, the model {self.info.n_layers}")
         cache = self.empty_cache()
@@ -228,12 +163,17 @@ class DecoderAdapter(ModelAdapter):
         cache.layers[: self.info.n_layers] = [ArenaLayer(arena, i, swap) for i in range(self.info.n_layers)]
         return cache
 
-    def kv_tail(self, cache: Any, chunk: ChunkInput, start: int) -> ChunkKV:
+    def append_placed(self, cache: ModelCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
+            key, value = self._to_slots(kl[None], vl[None])
+            hf_layers(cache)[layer].update(key, value)
+
+    def kv_tail(self, cache: ModelCache, chunk: ChunkInput, start: int) -> ChunkKV:
         """The KV of ``chunk``, the last tokens in ``cache``, placed at ``start`` (pre-RoPE)."""
         rel, extent = self.chunk_positions(chunk)
         return self._extract(cache, chunk.n_tokens, (rel + start).to(self.device), rel, extent)
 
-    def cache_length(self, cache: Any) -> int:
+    def cache_length(self, cache: ModelCache) -> int:
         return int(cache.get_seq_length())
 
     def namespace(self, tenant_salt: str = "") -> Namespace:
@@ -258,7 +198,7 @@ class DecoderAdapter(ModelAdapter):
 
     def _extract(
         self,
-        cache: Any,
+        cache: ModelCache,
         n_new: int,
         positions: torch.Tensor,
         rel: torch.Tensor,
@@ -269,7 +209,7 @@ class DecoderAdapter(ModelAdapter):
         """The KV of the ``n_new`` tokens that precede the cache's last ``after`` tokens; keys
         un-rotated, or kept as rotated when ``placed_at`` (their start) is given."""
         keys, values = [], []
-        for layer in cache.layers[: self.info.n_layers]:
+        for layer in hf_layers(cache)[: self.info.n_layers]:
             end = layer.keys.shape[2] - after
             key, value = layer.keys[0, :, end - n_new : end], layer.values[0, :, end - n_new : end]
             k, v = self._to_slots(key, value)  # the swap is its own inverse
@@ -289,36 +229,52 @@ class DecoderAdapter(ModelAdapter):
         """Absolute positions ``[T]`` as the model's ``position_ids`` argument."""
         return positions.to(self.device)[None]
 
-    def _embed(self, chunk: ChunkInput) -> torch.Tensor:
+    @torch.inference_mode()
+    def embed(self, chunk: ChunkInput) -> torch.Tensor:
         if not isinstance(chunk, TextInput):
             raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
-        return self.model.get_input_embeddings()(chunk.ids.to(self.device)[None])
+        return self.model.get_input_embeddings()(chunk.ids.to(self.device))
+
+    def _forward_kwargs(self, chunks: Sequence[ChunkInput]) -> dict[str, Any]:
+        """Extra arguments of the decoder's forward over ``chunks`` (Qwen3-VL: DeepStack)."""
+        return {}
 
     def _run(
-        self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool = False
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ModelCache,
+        last_only: bool = False,
+        chunks: Sequence[ChunkInput] = (),
     ) -> torch.Tensor:
+        """Logits ``[T, vocab]`` of ``embeds [1, T, hidden]`` run at ``positions`` on ``cache``."""
         out = self.base(
-            inputs_embeds=embeds, position_ids=self._position_ids(positions), cache=cache, use_cache=True
+            inputs_embeds=embeds,
+            position_ids=self._position_ids(positions),
+            cache=cache,
+            use_cache=True,
+            **self._forward_kwargs(chunks),
         )
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
         return self.lm_head(hidden)[0].float()
 
     @torch.inference_mode()
-    def next_logits(self, chunk: ChunkInput, cache: Any, start: int) -> torch.Tensor:
+    def next_logits(self, chunk: ChunkInput, cache: ModelCache, start: int) -> torch.Tensor:
         if chunk.n_tokens == 0:
             raise ValueError("cannot run an empty chunk")
         rel, _ = self.chunk_positions(chunk)
-        return self._run(self._embed(chunk), (rel + start).to(self.device), cache, last_only=True)[-1]
+        positions = (rel + start).to(self.device)
+        return self._run(self.embed(chunk)[None], positions, cache, last_only=True, chunks=[chunk])[-1]
 
     @torch.inference_mode()
     def prefill(
-        self, chunk: ChunkInput, cache: Any, start: int, placed: bool = False, last_only: bool = False
+        self, chunk: ChunkInput, cache: ModelCache, start: int, placed: bool = False, last_only: bool = False
     ) -> Prefill:
         if chunk.n_tokens == 0:
             raise ValueError("cannot prefill an empty chunk")
         rel, extent = self.chunk_positions(chunk)
         positions = (rel + start).to(self.device)
-        logits = self._run(self._embed(chunk), positions, cache, last_only=last_only)
+        logits = self._run(self.embed(chunk)[None], positions, cache, last_only=last_only, chunks=[chunk])
         kv = self._extract(cache, chunk.n_tokens, positions, rel, extent, placed_at=start if placed else None)
         return Prefill(logits, kv, cache)
 
@@ -326,7 +282,7 @@ class DecoderAdapter(ModelAdapter):
         """Work a batch of chunks needs before its forward pass (vision encoders: see qwen_vl)."""
 
     @torch.inference_mode()
-    def prefill_many(self, chunks: Sequence[ChunkInput], cache: Any, start: int) -> list[ChunkKV]:
+    def prefill_many(self, chunks: Sequence[ChunkInput], cache: ModelCache, start: int) -> list[ChunkKV]:
         """All ``chunks`` in one forward pass (logits of the last token only); each chunk's KV
         taken out of the grown cache and un-rotated with its own positions."""
         if not chunks:
@@ -338,12 +294,16 @@ class DecoderAdapter(ModelAdapter):
         at = start
         for chunk in chunks:
             rel, extent = self.chunk_positions(chunk)
-            embeds.append(self._embed(chunk))
+            embeds.append(self.embed(chunk))
             positions.append(rel + at)
             placed.append((rel, extent, at))
             at += extent
         self._run(
-            torch.cat(embeds, dim=1), torch.cat(positions, dim=-1).to(self.device), cache, last_only=True
+            torch.cat(embeds)[None],
+            torch.cat(positions, dim=-1).to(self.device),
+            cache,
+            last_only=True,
+            chunks=chunks,
         )
         out, after = [], sum(c.n_tokens for c in chunks)
         for chunk, (rel, extent, at) in zip(chunks, placed, strict=True):
@@ -353,7 +313,66 @@ class DecoderAdapter(ModelAdapter):
         return out
 
     @torch.inference_mode()
-    def decode_step(self, token: int, cache: Any, position: int) -> torch.Tensor:
+    def decode_step(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(torch.tensor([[token]], device=self.device))
         rel, _ = self.chunk_positions(TextInput(torch.tensor([token])))
         return self._run(embeds, rel.to(self.device) + position, cache)[-1]
+
+    @torch.inference_mode()
+    def reference_logits(self, chunks: Sequence[ChunkInput], last_only: bool = False) -> torch.Tensor:
+        if any(isinstance(c, ImageInput) for c in chunks):
+            raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
+        ids = torch.cat([c.ids for c in chunks])[None].to(self.device)
+        out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0)
+        return out.logits[0].float()
+
+    # --- selective recompute ------------------------------------------------------------------
+
+    @property
+    def supports_recompute(self) -> bool:
+        """Text decoders with GQA/MHA layers (Llama, Qwen2, Qwen3, Mistral)."""
+        return self.family == "gqa"
+
+    def layer_kv(self, cache: ModelCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        target = hf_layers(cache)[layer]
+        return self._to_slots(target.keys[0], target.values[0])  # the swap is its own inverse
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ModelCache,
+        layers: range,
+    ) -> LayerRun:
+        """The model's own decoder layers on the rows, with an additive mask over sequence
+        indices and a stand-in cache (:class:`RowWriter`) that writes the rows' fresh K/V into
+        the cache's layer tensors. Needs layers that take ``(hidden, attention_mask=,
+        position_embeddings=, cache=)`` and call ``cache.update(k, v, layer_idx)`` with post-RoPE
+        ``[1, H_kv, rows, D]`` keys (Llama, Qwen2, Qwen3, Mistral, Qwen2.5-VL's text model)."""
+        if self.family != "gqa":
+            raise TypeError(f"{self.info.architecture}: selective recompute runs on GQA/MHA decoders only")
+        if len(layers) == 0:
+            raise ValueError("no layers to run")
+        rows = rows.to(self.device)
+        x = hidden.to(self.device)[None]  # [1, R, hidden]
+        n = self.cache_length(cache)
+        # row r sees every token at a sequence index up to its own: [1, 1, R, N], built once
+        allowed = torch.arange(n, device=self.device)[None, :] <= rows[:, None]
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(x.dtype).min)
+        pos = self._position_ids(positions)
+        rotary = self.base.rotary_emb(x, position_ids=pos)
+        writer = RowWriter(rows)
+        for index in layers:
+            writer.target = hf_layers(cache)[index]
+            x = self.base.layers[index](
+                x,
+                attention_mask=mask[None, None],
+                position_ids=pos,
+                position_embeddings=rotary,
+                cache=writer,
+                use_cache=True,
+            )
+        return LayerRun(x[0], *writer.fresh)

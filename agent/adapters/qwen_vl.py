@@ -9,14 +9,12 @@ token at 0, the patches at ``1 + (t, h, w)`` on the merged grid, the end token a
 Positions are always passed explicitly: the model keeps ``rope_deltas`` as state between calls,
 which misplaces tokens on a reused cache if left to itself.
 
-Not here: video inputs as one multi-frame chunk (each frame is an image chunk of its own) and
-Qwen3-VL (its deepstack features enter several decoder layers, which a chunk's KV alone does not
-capture).
+Not here: video inputs as one multi-frame chunk (each frame is an image chunk of its own),
+Qwen3-VL's interleaved M-RoPE and DeepStack (``qwen3_vl.py``, built on this one).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +23,7 @@ from PIL import Image
 
 from agent.adapters.base import ChunkInput, ImageInput, TextInput
 from agent.adapters.decoder import DecoderAdapter, rope_spec_from_module
+from agent.adapters.vision import Content, VisionAdapter, VisionFeatures
 from cache.keys import digest_key
 from cache.rope import RopeSpec
 
@@ -46,14 +45,15 @@ def tiny_processor() -> Any:
     return Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=224 * 224)
 
 
-class QwenVLAdapter(DecoderAdapter):
+class QwenVLAdapter(DecoderAdapter, VisionAdapter):
     """Qwen2.5-VL through the same chunk contract as the text models, plus image chunks."""
 
     def __init__(self, model: Any, processor: Any, name: str, vision_cache_size: int = 4096) -> None:
         self.processor = processor
         self.image_processor = getattr(processor, "image_processor", processor)
         tokenizer = getattr(processor, "tokenizer", None)
-        super().__init__(model, tokenizer, name)
+        DecoderAdapter.__init__(self, model, tokenizer, name)
+        VisionAdapter.__init__(self, vision_cache_size)
         self.vlm = model.model
         self.base = model.model.language_model
         cfg = model.config
@@ -61,15 +61,18 @@ class QwenVLAdapter(DecoderAdapter):
         self.vision_start_id = int(cfg.vision_start_token_id)
         self.vision_end_id = int(cfg.vision_end_token_id)
         self.merge = int(cfg.vision_config.spatial_merge_size)
-        self._features: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._features_max = vision_cache_size
-        self.vision_encoder_calls = 0
 
     def _rope_spec(self, text_config: Any) -> RopeSpec:
         section = tuple(text_config.rope_parameters.get("mrope_section", (16, 24, 24)))
         return rope_spec_from_module(
             self.model.model.language_model.rotary_emb, "qwen2_5_vl", mrope_section=section
         )
+
+    @property
+    def supports_recompute(self) -> bool:
+        """False: the server's repair recomputes by token id, and image rows need their features
+        (:meth:`run_layers` itself runs here, on :meth:`embed`'s embeddings)."""
+        return False
 
     # --- inputs -----------------------------------------------------------------------------
 
@@ -121,60 +124,51 @@ class QwenVLAdapter(DecoderAdapter):
     def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         return positions.to(self.device)[:, None, :]  # [3, batch=1, T]
 
-    # --- vision encoder, once per distinct image ----------------------------------------------
+    def processor_ids(self, content: Content) -> torch.Tensor | None:
+        if getattr(self.processor, "chat_template", None) is None or not hasattr(self.processor, "tokenizer"):
+            return None
+        parts = [{"type": "text", "text": c} if isinstance(c, str) else {"type": "image"} for c in content]
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+        )
+        images = [c for c in content if not isinstance(c, str)]
+        out = self.processor(text=[text], images=images or None, return_tensors="pt")
+        ids: torch.Tensor = out["input_ids"][0]
+        return ids
 
-    def clear_vision_cache(self) -> None:
-        """Forget every cached image feature (the next prefill of each image runs the encoder)."""
-        self._features.clear()
+    # --- vision encoder, once per distinct image (the cache: ``vision.py``) -------------------
 
-    def encode_images(self, chunks: Sequence[ChunkInput]) -> int:
-        """Run the vision encoder once over every image among ``chunks`` whose features are not
-        cached (one batch: the encoder keeps images apart); returns how many it encoded."""
-        todo: dict[str, ImageInput] = {}
-        for c in chunks:
-            if isinstance(c, ImageInput) and c.content_key not in self._features:
-                todo.setdefault(c.content_key, c)
-        if len(todo) <= 1:
-            for c in todo.values():
-                self.image_features(c)
-            return len(todo)
-        pixels = torch.cat([c.pixel_values for c in todo.values()]).to(self.device)
-        grid = torch.tensor([c.grid_thw for c in todo.values()], device=self.device)
-        with torch.inference_mode():
-            feats = self.vlm.get_image_features(pixels, grid).pooler_output
-        for key, f in zip(todo, feats, strict=True):
-            self.vision_encoder_calls += 1
-            self._features[key] = f
-        while len(self._features) > max(self._features_max, len(todo)):
-            self._features.popitem(last=False)
-        return len(todo)
+    def _run_encoder(self, images: Sequence[ImageInput]) -> list[VisionFeatures]:
+        pixels = torch.cat([c.pixel_values for c in images]).to(self.device)
+        grid = torch.tensor([c.grid_thw for c in images], device=self.device)
+        feats = self.vlm.get_image_features(pixels, grid).pooler_output
+        return [VisionFeatures(f) for f in feats]
 
     def _prepare(self, chunks: Sequence[ChunkInput]) -> None:
         self.encode_images(chunks)
 
-    def image_features(self, chunk: ImageInput) -> torch.Tensor:
-        """Merged-patch embeddings ``[N, hidden]``; the encoder runs only on a cache miss."""
-        hit = self._features.get(chunk.content_key)
-        if hit is not None:
-            self._features.move_to_end(chunk.content_key)
-            return hit
-        grid = torch.tensor([chunk.grid_thw], device=self.device)
-        with torch.inference_mode():
-            out = self.vlm.get_image_features(chunk.pixel_values.to(self.device), grid)
-        feats = out.pooler_output[0]
-        self.vision_encoder_calls += 1
-        self._features[chunk.content_key] = feats
-        if len(self._features) > self._features_max:
-            self._features.popitem(last=False)
-        return feats
-
-    def _embed(self, chunk: ChunkInput) -> torch.Tensor:
-        embeds = self.model.get_input_embeddings()(chunk.ids.to(self.device)[None])
+    @torch.inference_mode()
+    def embed(self, chunk: ChunkInput) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(chunk.ids.to(self.device))
         if isinstance(chunk, ImageInput):
             feats = self.image_features(chunk).to(embeds.dtype)
             mask = chunk.ids.to(self.device) == self.image_token_id
             if int(mask.sum()) != feats.shape[0]:
                 raise ValueError(f"image chunk has {int(mask.sum())} pads for {feats.shape[0]} features")
             embeds = embeds.clone()
-            embeds[0, mask] = feats
+            embeds[mask] = feats
         return embeds
+
+    @torch.inference_mode()
+    def reference_logits(self, chunks: Sequence[ChunkInput], last_only: bool = False) -> torch.Tensor:
+        ids = torch.cat([c.ids for c in chunks])[None].to(self.device)
+        images = [c for c in chunks if isinstance(c, ImageInput)]
+        extra: dict[str, Any] = {}
+        if images:
+            extra = {
+                "pixel_values": torch.cat([c.pixel_values for c in images]).to(self.device),
+                "image_grid_thw": torch.tensor([c.grid_thw for c in images], device=self.device),
+                "mm_token_type_ids": (ids == self.image_token_id).int(),
+            }
+        out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0, **extra)
+        return out.logits[0].float()

@@ -2,9 +2,10 @@
 
 They exercise the exact code paths of the full-size architectures (the same modules, caches and
 rotary embeddings) at a size that runs in milliseconds on a CPU. Used by tests and benchmarks;
-their outputs mean nothing.
+their outputs mean nothing. Load one with ``load_adapter("tiny:<family>")`` (``loading.py``);
+``BUILDERS`` names the families.
 
-Not here: anything with real weights (``loading.py``).
+Not here: anything with real weights (``loading.py``), Qwen3-VL's config (``qwen3_vl.py``).
 """
 
 from __future__ import annotations
@@ -134,36 +135,48 @@ def qwen2_5_vl_config(**text: Any) -> Any:
     )
 
 
-def _qwen_vl() -> Any:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config())
-
-
-BUILDERS: dict[str, Callable[[], Any]] = {
-    "llama-gqa": lambda: _llama(kv_heads=2),
-    "llama-mha": lambda: _llama(kv_heads=6),
-    "neox-partial": _neox,
-    "deepseek-mla": lambda: _deepseek(yarn=False),
-    "deepseek-mla-yarn": lambda: _deepseek(yarn=True),
-    "qwen2.5-vl": _qwen_vl,
-}
-
-
-def tiny_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    if name not in BUILDERS:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(BUILDERS)}")
-    torch.manual_seed(seed)
-    return BUILDERS[name]().to(dtype).eval()
-
-
-def tiny_adapter(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelAdapter:
-    """A random-weight model of the named family wrapped in its adapter."""
-    model = tiny_model(name, seed, dtype)
-    if name == "qwen2.5-vl":
-        from agent.adapters.qwen_vl import QwenVLAdapter, tiny_processor
-
-        return QwenVLAdapter(model, tiny_processor(), name=f"tiny-{name}")
+def _decoder(model: Any, name: str) -> ModelAdapter:
     from agent.adapters.decoder import DecoderAdapter
 
-    return DecoderAdapter(model, tokenizer=None, name=f"tiny-{name}")
+    return DecoderAdapter(model, tokenizer=None, name=name)
+
+
+def _qwen2_5_vl(dtype: torch.dtype) -> ModelAdapter:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from agent.adapters.qwen_vl import QwenVLAdapter, tiny_processor
+
+    model: Any = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config())
+    model = model.to(dtype).eval()
+    return QwenVLAdapter(model, tiny_processor(), name="tiny-qwen2.5-vl")
+
+
+def _qwen3_vl(dtype: torch.dtype) -> ModelAdapter:
+    from agent.adapters.qwen3_vl import tiny_qwen3_vl
+
+    return tiny_qwen3_vl(dtype)
+
+
+def _text(build: Callable[[], Any], name: str) -> Callable[[torch.dtype], ModelAdapter]:
+    return lambda dtype: _decoder(build().to(dtype).eval(), f"tiny-{name}")
+
+
+BUILDERS: dict[str, Callable[[torch.dtype], ModelAdapter]] = {
+    "llama-gqa": _text(lambda: _llama(kv_heads=2), "llama-gqa"),
+    "llama-mha": _text(lambda: _llama(kv_heads=6), "llama-mha"),
+    "neox-partial": _text(_neox, "neox-partial"),
+    "deepseek-mla": _text(lambda: _deepseek(yarn=False), "deepseek-mla"),
+    "deepseek-mla-yarn": _text(lambda: _deepseek(yarn=True), "deepseek-mla-yarn"),
+    "qwen2.5-vl": _qwen2_5_vl,
+    "qwen3-vl": _qwen3_vl,
+}
+VISION_FAMILIES = frozenset({"qwen2.5-vl", "qwen3-vl"})
+DEFAULT_FAMILY = "qwen2.5-vl"  # what plain "tiny" names: the family that takes text and images
+
+
+def build(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelAdapter:
+    """A random-weight model of ``family`` (seeded) wrapped in its adapter."""
+    if family not in BUILDERS:
+        raise ValueError(f"unknown tiny model {family!r}; choose from {sorted(BUILDERS)}")
+    torch.manual_seed(seed)
+    return BUILDERS[family](dtype)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.adapters.vision import encoder_calls
 from agent.server.runtime import Runtime
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -69,7 +70,7 @@ class RuntimeCollector(Collector):
         yield CounterMetricFamily(
             "kamera_vision_encoder_calls",
             "Vision encoder runs (one per image not already encoded)",
-            value=int(getattr(self.runtime.adapter, "vision_encoder_calls", 0)),
+            value=encoder_calls(self.runtime.adapter),
         )
         yield CounterMetricFamily(
             "kamera_sessions_expired",

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.vision import VisionAdapter
 from agent.server.chat import ImagePiece, Piece, TextPiece
 from cache.keys import ContentKey, Namespace, chain_key, fingerprint, span_key
 from cache.layout import ChunkKV
@@ -112,10 +113,9 @@ def build_prompt(adapter: ModelAdapter, pieces: Sequence[Piece], image_unit: Cal
             n_tok.extend([1] * len(piece.ids))
             ext.extend([1] * len(piece.ids))
         elif isinstance(piece, ImagePiece):
-            image_of = getattr(adapter, "image", None)
-            if image_of is None:
+            if not isinstance(adapter, VisionAdapter):
                 raise NoImagesError(f"model {adapter.info.name} takes no image or video input")
-            inp = image_of(piece.image)
+            inp = adapter.image(piece.image)
             inputs.append(inp)
             units.append(image_unit(inp.content_key))
             n_tok.append(inp.n_tokens)

@@ -57,6 +57,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 
 from agent.adapters.base import ImageInput, ModelAdapter
+from agent.adapters.vision import encoder_calls
 from agent.server.prompt import (
     NoImagesError,
     Prompt,
@@ -179,9 +180,7 @@ class PromptCache:
         self.radix = RadixTree(self.config.planner.eviction)
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners: OrderedDict[str, Planner] = OrderedDict()
-        vocab = getattr(getattr(adapter, "model", None), "get_input_embeddings", lambda: None)()
-        size = int(getattr(vocab, "num_embeddings", 1 << 20))
-        self._image_base = 1 << max(16, size.bit_length())
+        self._image_base = 1 << max(16, adapter.vocab_size.bit_length())
         self._image_ids: dict[str, int] = {}
 
     def image_unit(self, content_key: str) -> int:
@@ -225,7 +224,7 @@ class PromptCache:
             raise ValueError("empty prompt")
         mode = check_mode(mode or self.config.mode)
         planner = self.planner(tenant_salt)
-        encoder_before = self._encoder_calls()
+        encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
         finder = Finder(self.store, self.config.min_reuse_tokens)
@@ -259,7 +258,7 @@ class PromptCache:
                 if not step.exact and mode == "repair":
                     repair.append((step.start, step.end))
                 continue
-            cache = self.adapter.cache_on(window.sync(placed, prompt.n_tokens))
+            cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
                 counts["repaired"] += self._repair(prompt, cache, repair)
                 repair = []
@@ -288,7 +287,7 @@ class PromptCache:
             prefilled_tokens=counts["prefilled"],
             rotated_tokens=counts["rotated"],
             lost_entries=lost,
-            vision_encoder_calls=self._encoder_calls() - encoder_before,
+            vision_encoder_calls=encoder_calls(self.adapter) - encoder_before,
             mode=mode,
             repaired_tokens=counts["repaired"],
             shared_tokens=counts["shared"],
@@ -297,17 +296,15 @@ class PromptCache:
             cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
         )
 
-    def _encoder_calls(self) -> int:
-        return int(getattr(self.adapter, "vision_encoder_calls", 0))
 
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> int:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
         Returns the tokens recomputed; 0 where the adapter cannot (images, MLA)."""
-        from agent.recompute import DeviationSelection
+        from agent.recompute import DeviationSelection, recompute_into
 
         ratio = self.config.repair_ratio
-        if ratio <= 0 or not getattr(self.adapter, "supports_recompute", False):
+        if ratio <= 0 or not self.adapter.supports_recompute:
             return 0
         if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
             return 0
@@ -317,7 +314,7 @@ class PromptCache:
             [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
         )
         positions = torch.arange(n, dtype=torch.int64)
-        return self.adapter.recompute_into(cache, ids, positions, DeviationSelection(ratio, candidates))
+        return recompute_into(self.adapter, cache, ids, positions, DeviationSelection(ratio, candidates))
 
     # --- commit: store new segments, index the prompt -----------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.adapters.vision import VisionAdapter
 from agent.context import WindowConfig
 from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
@@ -37,7 +38,6 @@ from agent.window_ops import WindowOp, apply
 from cache.store import StoreConfig, TieredStore
 
 T = TypeVar("T")
-TINY_PREFIX = "tiny:"
 
 
 class PromptTooLongError(ValueError):
@@ -82,16 +82,10 @@ class RuntimeConfig:
 
 
 def load_model(config: RuntimeConfig) -> ModelAdapter:
-    dtype = getattr(torch, config.dtype)
-    if config.model is not None and config.model.startswith(TINY_PREFIX):
-        from agent.adapters.tiny import tiny_adapter
-
-        adapter = tiny_adapter(config.model.removeprefix(TINY_PREFIX), dtype=dtype)
-        adapter.tokenizer = ByteTokenizer()
-        return adapter
     from agent.adapters.loading import load_adapter
 
-    return load_adapter(config.model, dtype=dtype, device=config.device)
+    dtype = getattr(torch, config.dtype)
+    return load_adapter(config.model, dtype=dtype, device=config.device, tokenizer=ByteTokenizer())
 
 
 class ChatOutcome(NamedTuple):
@@ -129,7 +123,7 @@ class Runtime:
 
     @property
     def takes_images(self) -> bool:
-        return hasattr(self.adapter, "image")
+        return isinstance(self.adapter, VisionAdapter)
 
     @property
     def grammar(self) -> GrammarEngine:
