@@ -137,6 +137,20 @@ def test_streamed_logprobs_cover_every_token(client: Any) -> None:
             "response_format",
         ),
         ({"messages": [*USER, {"role": "tool", "tool_call_id": "c9", "content": "1"}], "tools": TOOLS}, None),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "hi",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{no"}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls",
+        ),
     ],
 )
 def test_what_does_not_hold_together_is_a_400_naming_it(

@@ -117,6 +117,8 @@ def check_history(messages: Sequence[Any]) -> None:
     ``tool_calls`` (items with ``id``) and ``tool_call_id``."""
     open_ids: dict[str, int] = {}  # call id -> index of the assistant message that made it
     for i, m in enumerate(messages):
+        if getattr(m, "tool_calls", None) and m.role != "assistant":
+            raise ToolError(f"a {m.role} message cannot carry tool_calls", f"messages[{i}].tool_calls")
         if m.role == "tool":
             if not m.tool_call_id:
                 raise ToolError("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
