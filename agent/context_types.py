@@ -60,7 +60,7 @@ class WindowConfig:
     tenant_salt: str = ""
     keep: str = "canonical+patch"
     reuse: str = "repair"
-    repair_margin: float = 1.0
+    repair_margin: float = 0.5
 
     def __post_init__(self) -> None:
         if self.keep not in ("canonical+patch", "conditioned"):

@@ -131,7 +131,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
     }
 
 
-GUARD_MARGINS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+GUARD_MARGINS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 
 def guard_curve(rows: Sequence[Row]) -> list[dict[str, Any]]:

@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--repair-margin",
         type=float,
-        default=float(_env("repair_margin", "1.0")),
+        default=float(_env("repair_margin", "0.5")),
         help="repair's guard: a greedy step on repaired KV whose best two logits lie closer than this "
         "moves decoding to exact KV (0: no guard)",
     )

@@ -113,7 +113,7 @@ class PromptCacheConfig:
     block_tokens: int = 128
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
-    repair_margin: float = 1.0
+    repair_margin: float = 0.5
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
