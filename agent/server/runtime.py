@@ -238,13 +238,27 @@ class Runtime:
         return ChatOutcome(decoded, out.usage, ttft, time.perf_counter() - t0)
 
     def new_agent(
-        self, system_prompt: str, budget_tokens: int, policy: str, max_tokens: int, salt: str
+        self,
+        system_prompt: str,
+        budget_tokens: int,
+        policy: str,
+        max_tokens: int,
+        salt: str,
+        reuse: str | None = None,
     ) -> Agent:
+        """A session's agent; ``reuse``: its window's reuse mode (None: the server's default)."""
+        pc = self.prompt_cache.config
+        window = WindowConfig(
+            budget_tokens=budget_tokens,
+            tenant_salt=salt,
+            reuse=reuse or pc.mode,
+            repair_margin=pc.repair_margin,
+        )
         with torch.inference_mode():
             return Agent(
                 self.adapter,
                 system_prompt,
-                WindowConfig(budget_tokens=budget_tokens, tenant_salt=salt),
+                window,
                 store=self.store,
                 policy=policy,
                 max_new_tokens=max_tokens,

@@ -272,6 +272,8 @@ class SessionCreate(RequestModel):
     policy: Literal["text", "action"] = "text"
     max_tokens: int = Field(default=64, ge=1)
     cache_salt: str | None = Field(default=None, max_length=256)
+    # how the session's steps may rest on reused KV; None: the server's --reuse-mode
+    kamera_reuse: Literal["exact", "repair", "fast"] | None = None
 
 
 class TextObs(TextPart):

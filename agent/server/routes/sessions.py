@@ -53,7 +53,12 @@ def router(state: ServerState) -> APIRouter:
 
             def job() -> Agent:
                 return runtime.new_agent(
-                    body.system_prompt, body.budget_tokens, body.policy, body.max_tokens, salt
+                    body.system_prompt,
+                    body.budget_tokens,
+                    body.policy,
+                    body.max_tokens,
+                    salt,
+                    body.kamera_reuse,
                 )
 
             agent = await state.admitted(tenant, lambda: state.watched(request, job, threading.Event()))
