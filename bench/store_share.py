@@ -51,7 +51,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.traces import SETS
-from bench.traces_data import load_sessions, message_body
+from bench.traces_data import load_sessions
+from bench.traces_tokens import message_body
 from cache.store import scan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
