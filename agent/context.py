@@ -34,6 +34,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from agent.context_types import (
+    EXACT_SOURCES,
     ChunkView,
     Counters,
     Ensured,
@@ -111,6 +112,29 @@ class ContextManager:
     @property
     def evicted(self) -> tuple[str, ...]:
         return tuple(self._evicted)
+
+    def exact_run(self, chunk_ids: Sequence[str]) -> int:
+        """How many of the window's chunks after the prefix are ``chunk_ids``' leading ones with
+        the KV a fresh prefill of the prefix and those chunks computes: each one's, prefilled
+        (or stored) after exactly the chunks now in front of it, in that order. Moved or patched
+        KV, or KV conditioned on other antecedents, ends the run."""
+        n = 0
+        for i, (slot, cid) in enumerate(zip(self._slots[1:], chunk_ids, strict=False), 1):
+            if (
+                slot.chunk_id != cid
+                or slot.source not in EXACT_SOURCES
+                or slot.context_key != context_key(s.chunk_id for s in self._slots[:i])
+            ):
+                break
+            n += 1
+        return n
+
+    def cut(self, keep: int) -> list[str]:
+        """Evict every chunk after the first ``keep`` ones following the prefix, newest first;
+        the survivors do not move. Returns the evicted chunk ids."""
+        if not 0 <= keep < len(self._slots):
+            raise ValueError(f"can keep 0..{len(self._slots) - 1} chunks, not {keep}")
+        return [self.slide_at(i) for i in range(len(self._slots) - 1, keep, -1)]
 
     # --- operations ---------------------------------------------------------------------
 

@@ -33,6 +33,11 @@ class Source(StrEnum):
     CONDITIONED = "conditioned"  # recalled: its stored conditioned KV (exact for its old antecedents)
 
 
+# KV that equals a fresh prefill's (to rounding) while the chunks in front of it are those it was
+# computed after: exact where it was prefilled, moved by rotation alone, or stored conditioned
+EXACT_SOURCES = frozenset({Source.PREFIX, Source.PREFILLED, Source.ROTATED, Source.CONDITIONED})
+
+
 @dataclass(frozen=True)
 class WindowConfig:
     """budget_tokens: most tokens the window holds, prefix included. patch: how patches are fitted

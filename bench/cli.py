@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "cached answers against a full prefill, per context policy and reuse mode",
     ),
     "replicas": ("bench.replicas", "agent traces round-robin over 1, 2, 4 replicas, with and without Redis"),
+    "serve-ttft": ("bench.serve_ttft", "kamera serve's time to first token: cached prompt, full prefill"),
     "store-share": (
         "bench.store_share",
         "kamera serve processes on one store directory, against one process and separate directories",

@@ -95,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a frame that slides out leaves in the store: its conditioned KV (exact on recall, no "
         "extra forward pass; the default) or canonical KV plus a patch (one more pass per frame)",
     )
+    p.add_argument(
+        "--ingest",
+        choices=["lazy", "eager"],
+        default="lazy",
+        help="lazy (default): frames are decoded and preprocessed as the video plays and enter the "
+        "window (vision encoder, prefill) only when a question picks them, so a session never costs "
+        "more than re-encoding its questions' windows; eager: every frame enters the window as it is "
+        "decoded, so each answer only prefills its question",
+    )
+    p.add_argument(
+        "--reuse-mode",
+        choices=["exact", "repair", "fast"],
+        default="repair",
+        help="exact: a question's window is kept only where a fresh prefill would compute the same "
+        "KV, the rest prefilled in context (vision features still reused); repair (default): frames "
+        "moved and recalled by rotation in the chat layout, exact windows in the labelled layout, and "
+        "a close greedy step answered on a fresh prefill; fast: moved and recalled blind",
+    )
     p.add_argument("--retrieval", choices=sorted(RETRIEVALS), default="even", help="default: even")
     p.add_argument("--frames-per-question", type=int, default=8, help="frames a question looks at (8)")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -236,6 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "video": str(args.video),
         "model": adapter.info.name,
         "retrieval": args.retrieval,
+        "ingest": args.ingest,
+        "reuse_mode": args.reuse_mode,
         "budget_tokens": args.budget,
         "duration_s": info.duration_s,
         "sample_fps": plan.sample_fps,
@@ -254,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "answer_ms": q.answer_ms,
                 "frame_times": q.frame_times,
                 "recalled_times": q.recalled_times,
+                "exact_chunks": q.exact_chunks,
                 "step": q.report,
             }
             for q in asked

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class Asked:
     asked_at: float = 0.0
     frame_times: list[float] = field(default_factory=list)
     recalled_times: list[float] = field(default_factory=list)
+    exact_chunks: int = 0  # window chunks (frames and labels) reused as a fresh prefill has them
     window_ids: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
 
@@ -77,13 +78,21 @@ class VideoSession:
         self.agent = Agent(
             adapter,
             args.system,
-            WindowConfig(budget_tokens=args.budget, keep=args.keep),
+            WindowConfig(budget_tokens=args.budget, keep=args.keep, reuse=args.reuse_mode),
             policy="text",
             chat=self.chat,
             max_new_tokens=args.max_new_tokens,
             finalize=False,  # canonical KV and patches are fitted when a chunk slides out, not per answer
         )
         self.retrieval = make_retrieval(args.retrieval)
+        self.lazy = args.ingest == "lazy"
+        # a question's window built as a fresh prefill has it (see _place_exact): always when
+        # frames enter only when asked for, and when reuse must be exact; in repair mode on the
+        # labelled layout too, where a frame's KV depends on the label in front of it and moving
+        # labels by rotation changes answers (docs/video_qa.md)
+        self.exact_window = self.lazy or args.reuse_mode == "exact" or (
+            self.labelled and args.reuse_mode == "repair"
+        )
         self.frames: list[FrameRecord] = []
         self.inputs: dict[str, ChunkInput] = {}  # frames and labels by chunk id
         self.reprefill: dict[str, Any] | None = None
@@ -106,6 +115,11 @@ class VideoSession:
                 f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
                 "frame after the system prompt"
             )
+        if self.lazy:  # kept preprocessed; encoded and prefilled if and when a question picks it
+            cid = self.adapter.chunk_key(chunk, self.cm.config.tenant_salt)
+            self.inputs[cid] = chunk
+            self.frames.append(FrameRecord(cid, t, chunk.n_tokens, None))
+            return
         self.pending.append((chunk, t))
         if len(self.pending) >= self.args.ingest_batch:
             self.flush()
@@ -160,11 +174,16 @@ class VideoSession:
             if k >= self.args.frames_per_question or used + cost > room:
                 break
             k, used = k + 1, used + cost
+        if self.retrieval.name == "similarity" and self.lazy:
+            candidates = [self._with_embedding(f) for f in candidates]
         picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
         chosen = [candidates[i] for i in picked]
-        q.recalled_times = self._bring_in(chosen)
-        if self.labelled:
-            self._relabel(chosen)
+        if self.exact_window:
+            q.exact_chunks = self._place_exact(chosen)
+        else:
+            q.recalled_times = self._bring_in(chosen)
+            if self.labelled:
+                self._relabel(chosen)
         window = self.cm.view()[1:]
         q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
         q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
@@ -177,6 +196,39 @@ class VideoSession:
         q.report = result.as_dict()["report"]
         if self.reprefill is None:
             self.reprefill = self._measure_reprefill(q)
+
+    def _with_embedding(self, frame: FrameRecord) -> FrameRecord:
+        """``frame`` with its mean-pooled vision features (an encoder run the first time; the
+        features stay in the adapter's cache, so prefilling the frame later runs no encoder)."""
+        if frame.embedding is not None:
+            return frame
+        features = self.adapter.image_features(self.inputs[frame.chunk_id])  # type: ignore[attr-defined]
+        rec = replace(frame, embedding=features.float().mean(0))
+        self.frames = [rec if f.chunk_id == frame.chunk_id else f for f in self.frames]
+        return rec
+
+    def _place_exact(self, chosen: Sequence[FrameRecord]) -> int:
+        """Make the window what a fresh prefill of the question's window holds: the chosen frames
+        in time order (each after its ``frame k`` label in the labelled layout).
+
+        The longest leading run of the window that already holds those chunks, each computed
+        after exactly the chunks in front of it (``ContextManager.exact_run``), stays as it is;
+        everything after it slides out, and the rest is prefilled in context in one pass. A frame
+        seen before runs no vision encoder (its features are kept by content). Returns the number
+        of chunks reused."""
+        pieces: list[tuple[ChunkInput, dict[str, Any]]] = []
+        for k, f in enumerate(sorted(chosen, key=lambda f: f.t), 1):
+            if self.labelled:
+                pieces.append((self._label(k), {"kind": "label"}))
+            pieces.append((self.inputs[f.chunk_id], {"kind": "frame", "t": f.t}))
+        salt = self.cm.config.tenant_salt
+        keep = self.cm.exact_run([self.adapter.chunk_key(chunk, salt) for chunk, _ in pieces])
+        self.cm.cut(keep)
+        rest = pieces[keep:]
+        ids = self.cm.append_many([chunk for chunk, _ in rest], [meta for _, meta in rest])
+        for cid, (chunk, _) in zip(ids, rest, strict=True):
+            self.inputs[cid] = chunk
+        return keep
 
     def _bring_in(self, chosen: Sequence[FrameRecord]) -> list[float]:
         """Make the chosen frames present: evict unchosen chunks (oldest first) to make room, then

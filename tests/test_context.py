@@ -386,3 +386,29 @@ def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="rope_kernel"):
         WindowConfig(rope_kernel="fastest")
     assert WindowConfig().rope_kernel == "auto"
+
+
+def test_exact_run_counts_only_kv_computed_after_the_chunks_in_front_of_it(adapter: ModelAdapter) -> None:
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(
+        adapter, store, WindowConfig(budget_tokens=BUDGET, keep="conditioned"), TextInput(torch.arange(2, 8))
+    )
+    a, b, c = pool()[:3]
+    ids = cm.append_many([a, b, c])
+    assert cm.exact_run(ids) == 3
+    assert cm.exact_run(ids[:2]) == 2
+    assert cm.exact_run([ids[0], ids[2], ids[1]]) == 1  # c was computed after b, not after a
+    assert cm.exact_run(ids[::-1]) == 0
+    cm.reorder([ids[1], ids[0], ids[2]])  # b and a moved: other chunks in front of them
+    assert cm.exact_run([ids[1], ids[0], ids[2]]) == 0
+    cm.reorder(ids)  # back where they were computed: exact again, only rotated
+    assert cm.exact_run(ids) == 3
+    assert cm.cut(1) == [ids[2], ids[1]]  # newest first; a stays where it is
+    assert [v.chunk_id for v in cm.view()[1:]] == [ids[0]]
+    assert cm.exact_run(ids) == 1
+    cm.recall(ids[1])  # its stored conditioned KV, computed after a: exact in that place
+    assert cm.exact_run(ids) == 2
+    cm.slide(1)  # a gone: b's KV was computed after a, which is no longer in front of it
+    assert cm.exact_run(ids[1:]) == 0
+    with pytest.raises(ValueError, match="keep"):
+        cm.cut(5)

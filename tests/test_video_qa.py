@@ -64,7 +64,7 @@ def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
     out = tmp_path / "report.json"
     code = main(
         [str(video), "--model", "tiny", "--fps", "2", "--budget", "400", "--frames-per-question", "4",
-         "--ingest-batch", ingest,
+         "--ingest", "eager", "--ingest-batch", ingest,
          "-q", "What is shown?", "--at", "00:03", "-q", "What changed?", "--compare",
          "--max-new-tokens", "4", "--json", str(out), "--quiet", "--threads", "1"]
     )  # fmt: skip
@@ -98,6 +98,32 @@ def test_video_qa_end_to_end(video: Path, tmp_path: Path, ingest: str) -> None:
     assert report["reencode_vision_encoder_calls"] == len(first["frame_times"]) + len(last["frame_times"])
 
 
+def test_lazy_ingest_encodes_only_what_questions_pick(video: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = main(
+        [str(video), "--model", "tiny", "--fps", "2", "--budget", "400", "--frames-per-question", "3",
+         "--retrieval", "recent", "-q", "What is shown?", "--at", "00:03", "-q", "What now?", "--at", "00:03",
+         "-q", "What changed?", "--compare", "--max-new-tokens", "4", "--json", str(out), "--quiet",
+         "--threads", "1"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["ingest"] == "lazy"
+    assert report["frames_sampled"] == report["distinct_frames"] == 20
+    first, second, last = report["questions"]
+    assert first["frame_times"] == second["frame_times"] == [2.0, 2.5, 3.0]  # the last three by 00:03
+    assert len(last["frame_times"]) == 3
+    assert min(last["frame_times"]) > 8
+    # only the frames questions picked ran through the vision encoder, each once
+    assert report["vision_encoder_calls"] == 6
+    assert report["reencode_vision_encoder_calls"] == 9
+    # the second question found its three frames as a fresh prefill has them; the third none
+    assert [q["exact_chunks"] for q in report["questions"]] == [0, 3, 0]
+    # cut: the first question's turn for the second, then the three frames and that turn for the last
+    assert report["window"]["chunks_evicted"] == 5
+    assert report["reencode_same_answers"] == 3
+
+
 def test_similarity_retrieval_runs(video: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     code = main(
@@ -109,6 +135,19 @@ def test_similarity_retrieval_runs(video: Path, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["vision_encoder_calls"] == report["distinct_frames"] == 8
     assert len(report["questions"][0]["frame_times"]) >= 2
+
+
+def test_similarity_retrieval_lazy_scores_every_frame_once(video: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code = main(
+        [str(video), "--model", "tiny", "--nframes", "8", "--budget", "300", "--retrieval", "similarity",
+         "--frames-per-question", "2", "-q", "Which frame?", "-q", "And now?", "--max-new-tokens", "2",
+         "--json", str(out), "--quiet", "--threads", "1", "--ingest", "lazy"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    # scoring needs every frame's features: one encoder run each, none again for the prefill
+    assert report["vision_encoder_calls"] == report["distinct_frames"] == 8
 
 
 @pytest.mark.parametrize("kind", ["garbage", "text", "image", "missing", "truncated"])
@@ -174,6 +213,36 @@ def test_labelled_layout_answers_world_questions_from_a_file(tmp_path: Path) -> 
     assert [q["frame_times"] for q in report["questions"]] == [first, first, second, second]
     assert [q["expected"] for q in report["questions"]] == [q["answer"] for q in questions]
     assert report["vision_encoder_calls"] == report["distinct_frames"] == 12
+    # repair on the labelled layout: each window as a fresh prefill has it, so the answers are
+    # re-encoding's; an episode's second question reuses its first one's labels and frames, the next
+    # episode's first question the "frame 1" label in front of the window
+    assert report["reencode_same_answers"] == 4
+    assert [q["exact_chunks"] for q in report["questions"]] == [0, 12, 1, 12]
+
+
+@pytest.mark.parametrize("ingest", ["lazy", "eager"])
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_labelled_layout_reuse_modes(tmp_path: Path, ingest: str, mode: str) -> None:
+    from tools.world.render import main as world_video
+
+    path = tmp_path / "world.mp4"
+    assert world_video([str(path), "--episodes", "2", "--per-episode", "1"]) == 0
+    out = tmp_path / "report.json"
+    code = main(
+        [str(path), "--model", "tiny", "--layout", "labelled", "--fps", "1", "--budget", "400",
+         "--retrieval", "recent", "--frames-per-question", "6", "--questions", str(path.with_suffix(".json")),
+         "--max-new-tokens", "2", "--json", str(out), "--quiet", "--threads", "1", "--compare",
+         "--ingest", ingest, "--reuse-mode", mode]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["vision_encoder_calls"] == report["distinct_frames"] == 12
+    if mode == "exact" or ingest == "lazy":  # windows built as a fresh prefill has them
+        assert report["reencode_same_answers"] == 2
+        assert [q["exact_chunks"] for q in report["questions"]] == [0, 1]  # "frame 1" stays
+    else:  # frames reused where the stream put them, labels moved in front of them by rotation
+        assert report["window"]["tokens_rotated"] > 0
+        assert all(q["exact_chunks"] == 0 for q in report["questions"])
 
 
 BAD_QUESTION_FILES = ["not json", '{"question": "a"}', '[{"at": 3}]', '[{"question": "a", "at": "x"}]']
