@@ -129,12 +129,27 @@ class ContextManager:
             n += 1
         return n
 
-    def cut(self, keep: int) -> list[str]:
+    @property
+    def exact(self) -> bool:
+        """Whether the whole window holds the KV a fresh prefill of it computes (:meth:`exact_run`)."""
+        return self.exact_run([s.chunk_id for s in self._slots[1:]]) == len(self._slots) - 1
+
+    def cut(self, keep: int, store: bool = True) -> list[str]:
         """Evict every chunk after the first ``keep`` ones following the prefix, newest first;
-        the survivors do not move. Returns the evicted chunk ids."""
+        the survivors do not move. ``store=False`` drops them instead: nothing goes to the store
+        and they cannot be recalled (for a caller that prefills them again when it needs them).
+        Returns the evicted chunk ids."""
         if not 0 <= keep < len(self._slots):
             raise ValueError(f"can keep 0..{len(self._slots) - 1} chunks, not {keep}")
-        return [self.slide_at(i) for i in range(len(self._slots) - 1, keep, -1)]
+        if store:
+            return [self.slide_at(i) for i in range(len(self._slots) - 1, keep, -1)]
+        gone = self._slots[keep + 1 :][::-1]
+        del self._slots[keep + 1 :]
+        if gone:
+            self.counters.slides += 1
+            self.counters.chunks_evicted += len(gone)
+            self._restart()
+        return [s.chunk_id for s in gone]
 
     # --- operations ---------------------------------------------------------------------
 

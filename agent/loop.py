@@ -208,9 +208,12 @@ class Agent:
         ids = cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
         prompt = self._text(self.chat.instruction(instruction))
         reuse = cm.config.reuse
-        cache, start = cm.fresh_cache() if reuse == "exact" else (cm.cache(), cm.next_start)
+        # a window that holds what a fresh prefill computes needs neither a fresh prefill nor a guard
+        exact = cm.exact
+        cache, start = cm.fresh_cache() if reuse == "exact" and not exact else (cm.cache(), cm.next_start)
         budget = max_new_tokens or self.max_new_tokens
-        guard = _FreshWindow(cm, prompt) if reuse == "repair" and cm.config.repair_margin > 0 else None
+        guarded = reuse == "repair" and cm.config.repair_margin > 0 and not exact
+        guard = _FreshWindow(cm, prompt) if guarded else None
         _, extent = self.adapter.chunk_positions(prompt)
         decoded = decode(
             self.adapter,

@@ -223,7 +223,7 @@ class VideoSession:
             pieces.append((self.inputs[f.chunk_id], {"kind": "frame", "t": f.t}))
         salt = self.cm.config.tenant_salt
         keep = self.cm.exact_run([self.adapter.chunk_key(chunk, salt) for chunk, _ in pieces])
-        self.cm.cut(keep)
+        self.cm.cut(keep, store=False)  # what leaves is prefilled again if asked for: features kept
         rest = pieces[keep:]
         ids = self.cm.append_many([chunk for chunk, _ in rest], [meta for _, meta in rest])
         for cid, (chunk, _) in zip(ids, rest, strict=True):

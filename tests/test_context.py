@@ -412,3 +412,7 @@ def test_exact_run_counts_only_kv_computed_after_the_chunks_in_front_of_it(adapt
     assert cm.exact_run(ids[1:]) == 0
     with pytest.raises(ValueError, match="keep"):
         cm.cut(5)
+    assert cm.cut(0, store=False) == [ids[1]]  # dropped: nothing stored, nothing to recall
+    assert ids[1] not in cm.evicted
+    with pytest.raises(RecallError):
+        cm.recall(ids[1])
