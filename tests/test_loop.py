@@ -33,10 +33,12 @@ def run(adapter: Any, reuse: str, margin: float = 1.0) -> tuple[Agent, list[str]
 def test_a_window_that_slid_answers_like_a_fresh_prefill_once_repair_falls_back(llama: Any) -> None:
     exact_agent, exact = run(llama, "exact")
     assert exact_agent.context.counters.slides > 0  # the window moved: reused KV is approximate
-    assert exact_agent.context.counters.fresh_prefills == len(NOTES)
+    # a fresh prefill for every step whose window moved; one still as appended needs none
+    moved = exact_agent.context.counters.fresh_prefills
+    assert 0 < moved < len(NOTES)
     always, guarded = run(llama, "repair", margin=1e9)  # every first step is a close call
     assert guarded == exact
-    assert always.context.counters.fresh_prefills == len(NOTES)
+    assert always.context.counters.fresh_prefills == moved
 
 
 def test_fast_never_falls_back_and_repair_only_on_close_calls(llama: Any) -> None:
