@@ -16,10 +16,6 @@ evicted). The operations and what they cost (DESIGN.md section 3):
 None of these runs the vision encoder or a forward pass over content already seen, except a
 recall whose store entry was evicted, which re-encodes the chunk alone and says so.
 
-The window keeps a live model cache: appends extend it, and any operation that moves a chunk
-invalidates it, so the next :meth:`cache` call reassembles from each chunk's pre-RoPE KV (a
-chunk whose start did not change reuses its rotated keys).
-
 Not here: turning observations into chunks and generating answers (``agent/loop.py``).
 """
 
@@ -34,7 +30,6 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from agent.context_types import (
-    EXACT_SOURCES,
     ChunkView,
     Counters,
     Ensured,
@@ -44,6 +39,7 @@ from agent.context_types import (
     Source,
     WindowConfig,
     context_key,
+    exact_run,
     set_key,
     slot_kind,
 )
@@ -114,20 +110,8 @@ class ContextManager:
         return tuple(self._evicted)
 
     def exact_run(self, chunk_ids: Sequence[str]) -> int:
-        """How many of the window's chunks after the prefix are ``chunk_ids``' leading ones with
-        the KV a fresh prefill of the prefix and those chunks computes: each one's, prefilled
-        (or stored) after exactly the chunks now in front of it, in that order. Moved or patched
-        KV, or KV conditioned on other antecedents, ends the run."""
-        n = 0
-        for i, (slot, cid) in enumerate(zip(self._slots[1:], chunk_ids, strict=False), 1):
-            if (
-                slot.chunk_id != cid
-                or slot.source not in EXACT_SOURCES
-                or slot.context_key != context_key(s.chunk_id for s in self._slots[:i])
-            ):
-                break
-            n += 1
-        return n
+        """How many chunks after the prefix hold ``chunk_ids`` as a fresh prefill computes them."""
+        return exact_run(self._slots, chunk_ids)
 
     @property
     def exact(self) -> bool:
@@ -135,19 +119,16 @@ class ContextManager:
         return self.exact_run([s.chunk_id for s in self._slots[1:]]) == len(self._slots) - 1
 
     def cut(self, keep: int, store: bool = True) -> list[str]:
-        """Evict every chunk after the first ``keep`` ones following the prefix, newest first;
-        the survivors do not move. ``store=False`` drops them instead: nothing goes to the store
-        and they cannot be recalled (for a caller that prefills them again when it needs them).
-        Returns the evicted chunk ids."""
+        """Evict the chunks after the first ``keep`` following the prefix (survivors stay put);
+        ``store=False`` drops them: nothing stored, no recall. Returns their ids, newest first."""
         if not 0 <= keep < len(self._slots):
             raise ValueError(f"can keep 0..{len(self._slots) - 1} chunks, not {keep}")
         if store:
             return [self.slide_at(i) for i in range(len(self._slots) - 1, keep, -1)]
-        gone = self._slots[keep + 1 :][::-1]
-        del self._slots[keep + 1 :]
+        gone, self._slots = self._slots[keep + 1 :][::-1], self._slots[: keep + 1]
+        self.counters.chunks_evicted += len(gone)
+        self.counters.slides += bool(gone)
         if gone:
-            self.counters.slides += 1
-            self.counters.chunks_evicted += len(gone)
             self._restart()
         return [s.chunk_id for s in gone]
 
@@ -334,14 +315,10 @@ class ContextManager:
     @torch.inference_mode()
     def ensure(self, chunk: ChunkInput, meta: dict[str, Any] | None = None) -> Ensured:
         """Make ``chunk`` the newest chunk of its kind (``meta["kind"]``, else image or text) in
-        the window, with the least work, and say how:
-
-        - ``present``: it already is (nothing done);
-        - ``moved``: it is in the window behind newer ones of its kind: it leaves and comes back
-          at the end, as a recall (its KV for the antecedents it was first seen after);
-        - ``recalled``: it was evicted: recalled at the end, no forward pass over it;
-        - ``appended``: never seen: prefilled at the end.
-        """
+        the window, with the least work, and say how: ``present`` (it already is), ``moved`` (it
+        was behind newer ones of its kind: it leaves and is recalled at the end, with its KV for
+        the antecedents it was first seen after), ``recalled`` (it was evicted: back at the end,
+        no forward pass) or ``appended`` (never seen: prefilled at the end)."""
         cid = self.adapter.chunk_key(chunk, self.config.tenant_salt)
         kind = str((meta or {}).get("kind", "image" if isinstance(chunk, ImageInput) else "text"))
         same = [i for i, v in enumerate(self.view()) if i and v.kind == kind]
@@ -414,17 +391,10 @@ class ContextManager:
 
     @torch.inference_mode()
     def fresh_cache(self) -> tuple[Any, int]:
-        """A model cache of the window prefilled afresh, chunk after chunk from position 0, with
-        nothing reused but what the adapter keeps by content (vision features): the cache a
-        re-prefill of this window gives. Returns it and the next token's position. The window
-        itself is not touched."""
-        cache, start = self.adapter.empty_cache(), 0
-        for slot in self._slots:
-            out = self.adapter.prefill(slot.input, cache, start)
-            start += out.kv.extent
-            self.counters.fresh_tokens += slot.input.n_tokens
-        self.counters.fresh_prefills += 1
-        return cache, start
+        """A model cache of the window prefilled afresh from position 0, nothing reused but what
+        the adapter keeps by content (vision features); the window is not touched. Returns it and
+        the next token's position."""
+        return self._keep.fresh_prefill([s.input for s in self._slots])
 
     def invalidate(self) -> None:
         """Drop the live cache (e.g. after generating tokens that are not part of the window):

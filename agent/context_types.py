@@ -8,7 +8,7 @@ Not here: the operations (``agent/context.py``), what a chunk leaves in the stor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple
@@ -165,3 +165,19 @@ def slot_kind(slot: Slot) -> str:
     if slot.source == Source.PREFIX:
         return "prefix"
     return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))
+
+
+def exact_run(slots: Sequence[Slot], chunk_ids: Sequence[str]) -> int:
+    """How many of ``slots`` after the first (the prefix) are ``chunk_ids``' leading ones with the
+    KV a fresh prefill computes: each prefilled (or stored) after exactly the chunks now in front
+    of it, in that order. Moved-and-patched KV, or KV conditioned on other antecedents, ends it."""
+    n = 0
+    for i, (slot, cid) in enumerate(zip(slots[1:], chunk_ids, strict=False), 1):
+        if (
+            slot.chunk_id != cid
+            or slot.source not in EXACT_SOURCES
+            or slot.context_key != context_key(s.chunk_id for s in slots[:i])
+        ):
+            break
+        n += 1
+    return n

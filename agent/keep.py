@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -44,6 +45,16 @@ class Keeper:
         self, adapter: ModelAdapter, store: TieredStore, config: WindowConfig, counters: Counters
     ) -> None:
         self.adapter, self.store, self.config, self.counters = adapter, store, config, counters
+
+    def fresh_prefill(self, chunks: Sequence[ChunkInput]) -> tuple[Any, int]:
+        """``chunks`` prefilled one after another on an empty cache from position 0, as a
+        re-prefill of the window does; returns the cache and the next token's position."""
+        cache, start = self.adapter.empty_cache(), 0
+        for chunk in chunks:
+            start += self.adapter.prefill(chunk, cache, start).kv.extent
+            self.counters.fresh_tokens += chunk.n_tokens
+        self.counters.fresh_prefills += 1
+        return cache, start
 
     def canonical(self, chunk_id: str, chunk: ChunkInput, recompute: bool) -> ChunkKV:
         """The chunk's canonical KV from the store, or encoded alone (and stored) on a miss.
