@@ -332,17 +332,23 @@ def test_metrics_are_counters(base_url: str) -> None:
 
 def test_a_session_takes_a_reuse_mode(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=60) as h:
-        made = h.post("/v1/sessions", json={"budget_tokens": 400, "max_tokens": 2, "kamera_reuse": "exact"})
-        assert made.status_code == 201, made.text
-        sid = made.json()["id"]
-        for i in range(2):
-            step = h.post(
-                f"/v1/sessions/{sid}/steps",
-                json={"observations": [{"type": "text", "text": f"note {i}"}], "instruction": "Ok?"},
-            )
-            assert step.status_code == 200, step.text
-        counters = h.get(f"/v1/sessions/{sid}").json()["counters"]
-        assert counters["fresh_prefills"] == 2  # exact: every step on a fresh prefill of the window
+        fresh = {}
+        for mode in ("exact", "fast"):
+            made = h.post("/v1/sessions", json={"budget_tokens": 400, "max_tokens": 2, "kamera_reuse": mode})
+            assert made.status_code == 201, made.text
+            sid = made.json()["id"]
+            for i in range(3):  # ~280 byte tokens each: the second step slides the first note out
+                step = h.post(
+                    f"/v1/sessions/{sid}/steps",
+                    json={"observations": [{"type": "text", "text": f"note {i} " * 40}], "instruction": "Ok"},
+                )
+                assert step.status_code == 200, step.text
+            counters = h.get(f"/v1/sessions/{sid}").json()["counters"]
+            assert counters["slides"] > 0
+            fresh[mode] = counters["fresh_prefills"]
+        # exact: the first step's window is as prefilled and needs no fresh prefill; the steps after a
+        # slide (KV computed after a note that left) are answered on one; fast never
+        assert fresh == {"exact": 2, "fast": 0}
         bad = h.post("/v1/sessions", json={"kamera_reuse": "sometimes"})
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "kamera_reuse"
