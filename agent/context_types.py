@@ -53,8 +53,9 @@ class WindowConfig:
     reuse: how a step answers on the window: ``repair`` (the window's KV, moved and patched, with
     decoding guarded: a greedy step closer than ``repair_margin`` goes to a fresh prefill of the
     window, :meth:`ContextManager.fresh_cache`), ``fast`` (the window's KV, unguarded) or
-    ``exact`` (every step on a fresh prefill of the window: what re-prefilling pays, vision
-    features still reused by content)."""
+    ``exact`` (the window's KV where it is exact as it stands, every chunk computed after the
+    chunks now in front of it; otherwise a fresh prefill of the window, vision features still
+    reused by content)."""
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))

@@ -12,7 +12,9 @@ The window's reuse mode (``WindowConfig.reuse``) says what the answer may rest o
 (``agent.server.generation.Guard``): the first step too close to call moves to a fresh prefill of
 the window (``ContextManager.fresh_cache``), where the tokens so far are replayed and checked,
 so from there the answer is a re-prefill's; ``fast`` is the window's KV unguarded; ``exact``
-answers every step on a fresh prefill.
+answers on the window's KV only while it is exact as it stands (nothing moved, patched or
+computed after other chunks: ``ContextManager.exact``), else on a fresh prefill. An exact window
+needs no guard in any mode.
 
 Not here: window mechanics (``agent/context.py``), how the model holds KV (``agent/adapters``).
 """
