@@ -115,12 +115,12 @@ class ContextManager:
 
     @property
     def exact(self) -> bool:
-        """Whether the whole window holds the KV a fresh prefill of it computes (:meth:`exact_run`)."""
-        return self.exact_run([s.chunk_id for s in self._slots[1:]]) == len(self._slots) - 1
+        """Every chunk as prefilled here after the chunks now before it, never moved or restored."""
+        ids = [s.chunk_id for s in self._slots[1:] if s.source == Source.PREFILLED]
+        return len(ids) == len(self._slots) - 1 and self.exact_run(ids) == len(ids)
 
     def cut(self, keep: int, store: bool = True) -> list[str]:
-        """Evict the chunks after the first ``keep`` following the prefix (survivors stay put);
-        ``store=False`` drops them: nothing stored, no recall. Returns their ids, newest first."""
+        """Evict all after the first ``keep`` (newest first; ``store=False``: unstored, no recall)."""
         if not 0 <= keep < len(self._slots):
             raise ValueError(f"can keep 0..{len(self._slots) - 1} chunks, not {keep}")
         if store:

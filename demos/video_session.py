@@ -165,6 +165,8 @@ class VideoSession:
     def answer(self, q: Asked, now: float) -> None:
         self.flush()  # frames already decoded are part of what the question may look at
         t0 = time.perf_counter()
+        if self.retrieval.name == "similarity" and self.lazy:  # scored frames keep their embedding
+            self.frames = [self._with_embedding(f) for f in self.frames]
         latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
         candidates = sorted(latest.values(), key=lambda f: f.t)
         room = self.args.budget - self.prefix_tokens - self._prompt(q.question).n_tokens
@@ -174,8 +176,6 @@ class VideoSession:
             if k >= self.args.frames_per_question or used + cost > room:
                 break
             k, used = k + 1, used + cost
-        if self.retrieval.name == "similarity" and self.lazy:
-            candidates = [self._with_embedding(f) for f in candidates]
         picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
         chosen = [candidates[i] for i in picked]
         if self.exact_window:
@@ -203,9 +203,7 @@ class VideoSession:
         if frame.embedding is not None:
             return frame
         features = self.adapter.image_features(self.inputs[frame.chunk_id])  # type: ignore[attr-defined]
-        rec = replace(frame, embedding=features.float().mean(0))
-        self.frames = [rec if f.chunk_id == frame.chunk_id else f for f in self.frames]
-        return rec
+        return replace(frame, embedding=features.float().mean(0))
 
     def _place_exact(self, chosen: Sequence[FrameRecord]) -> int:
         """Make the window what a fresh prefill of the question's window holds: the chosen frames
