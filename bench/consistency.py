@@ -28,14 +28,18 @@ commits: a full prefill). Per policy and mode:
 Every mode replays its own history: what a mode stores depends on what it reused. Nothing
 here knows the reference when a request is prepared: the figures are the product's.
 
-Not here: the peer comparison with llama.cpp's server, or hit rates without a model
-(``kamera bench traces --tokenizer-only``).
+``--peer llama-server`` replays the same requests, as the same token ids, through llama.cpp's
+server on the same GGUF (``bench/peer_llama.py``): its cached answers against its own full
+prefill, its cached share and TTFT ratio, as rows beside Kamera's.
+
+Not here: hit rates without a model (``kamera bench traces --tokenizer-only``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -168,7 +172,8 @@ def replay(
     max_prompt_tokens: int,
     store_bytes: int,
     log: Any = print,
-) -> dict[str, list[Row]]:
+    peer: Any = None,
+) -> tuple[dict[str, list[Row]], list[Any]]:
     policy = get_policy(policy_name)
     caches = {
         m: PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=store_bytes)), config)
@@ -176,6 +181,7 @@ def replay(
     }
     reference = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20)), config)
     rows: dict[str, list[Row]] = {m: [] for m in modes}
+    peer_rows: list[Any] = []
     for s in sessions:
         for step, request in enumerate(s.requests[:max_requests]):
             pieces = render(adapter.tokenizer, to_messages(policy(request, step)))
@@ -193,7 +199,16 @@ def replay(
                     f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
                     f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
                 )
-    return rows
+            if peer is not None:
+                got = peer.request(s.id, step, prompt.units.tolist(), params.max_tokens)
+                peer_rows.append(got)
+                same = got.cached.tokens == got.reference.tokens
+                log(
+                    f"{policy_name:>20} {'llama':>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
+                    f"cached {got.cached.cached_tokens:>5} same {same!s:>5} "
+                    f"ttft {got.reference.ttft_s / max(got.cached.ttft_s, 1e-9):5.2f}x"
+                )
+    return rows, peer_rows
 
 
 def parser() -> argparse.ArgumentParser:
@@ -218,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--store-bytes", type=int, default=4 << 30)
+    p.add_argument("--peer", choices=["llama-server"], default=None, help="replay through a peer as well")
+    p.add_argument("--peer-cache-reuse", type=int, default=256, help="llama-server's --cache-reuse N")
+    p.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: built)")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -228,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() and m.strip() != "none"]
     for m in modes:
         if m not in REUSE_MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(REUSE_MODES)}")
@@ -259,10 +277,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "policies": {},
     }
+    peer = start_peer(args, adapter, report)
     t0 = time.perf_counter()
+    try:
+        run_policies(args, adapter, sessions, modes, config, params, peer, report)
+    finally:
+        if peer is not None:
+            peer.close()
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def start_peer(args: argparse.Namespace, adapter: Any, report: dict[str, Any]) -> Any:
+    """The llama.cpp pair when ``--peer`` asks for it; a message and None when it can't be had."""
+    if args.peer is None:
+        return None
+    from agent.adapters.loading import SMOLLM2, smollm2_gguf_path
+    from bench.peer_llama import Peer, PeerUnavailableError, llama_server_binary
+
+    model = args.model or SMOLLM2
+    gguf = Path(model) if str(model).endswith(".gguf") else None
+    if model in (SMOLLM2, "smollm2"):
+        gguf = smollm2_gguf_path()
+    try:
+        if gguf is None:
+            raise PeerUnavailableError(f"--peer llama-server needs a GGUF model, not {model}")
+        binary = args.llama_server or llama_server_binary()
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise PeerUnavailableError(f"{binary} is not an executable file")
+        log = Path(args.json or "consistency").with_suffix(".llama-server.log")
+        peer = Peer(binary, gguf, args.peer_cache_reuse, torch.get_num_threads(), 8192, log)
+    except PeerUnavailableError as e:
+        print(f"peer llama-server skipped: {e}")
+        report["peer"] = {"name": "llama-server", "skipped": str(e)}
+        return None
+    report["peer"] = {"name": "llama-server", "binary": str(binary), "gguf": gguf.name,
+                      "cache_reuse": args.peer_cache_reuse, "threads": torch.get_num_threads()}  # fmt: skip
+    return peer
+
+
+def run_policies(
+    args: argparse.Namespace,
+    adapter: Any,
+    sessions: Sequence[Any],
+    modes: Sequence[ReuseMode],
+    config: PromptCacheConfig,
+    params: SamplingParams,
+    peer: Any,
+    report: dict[str, Any],
+) -> None:
+    from bench.peer_llama import summarize_peer
+
     with torch.inference_mode():
         for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            rows = replay(
+            rows, peer_rows = replay(
                 adapter,
                 sessions,
                 name,
@@ -272,16 +344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.requests,
                 args.max_prompt_tokens,
                 args.store_bytes,
+                peer=peer,
             )
             report["policies"][name] = {m: summarize(r) for m, r in rows.items()}
             if config.repair_margin == 0 and "repair" in rows:
                 report["policies"][name]["repair"]["guard_curve"] = guard_curve(rows["repair"])
-    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+            if peer is not None:
+                report["policies"][name]["llama-server"] = summarize_peer(peer_rows)
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -314,7 +383,7 @@ def print_table(report: dict[str, Any]) -> None:
                 str(r["first_token_agreement"]),
                 str(r["kl_mean"]),
                 str(sh["cached"]),
-                str(sh["exact"]),
+                str(sh["exact"]),  # None on the peer's rows: llama.cpp does not tell the two apart
                 str(sh["content"]),
                 str(sh["repair_recomputed"]),
                 str(r["ttft_ratio_median"]),
