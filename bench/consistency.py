@@ -188,8 +188,9 @@ def replay(
             prompt = build_prompt(adapter, pieces, reference.image_unit)
             if prompt.n_tokens > max_prompt_tokens:
                 continue
-            ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
-            reference.reset()  # never reused: every reference is a full prefill
+            if modes:
+                ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
+                reference.reset()  # never reused: every reference is a full prefill
             for m in modes:
                 pc = caches[m]
                 cached = run(pc, build_prompt(adapter, pieces, pc.image_unit), s.id, m, params)
