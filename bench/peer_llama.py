@@ -229,8 +229,11 @@ class Peer:
 
     def __init__(self, binary: Path, gguf: Path, cache_reuse: int, threads: int, ctx: int, log: Path) -> None:
         self.cache_reuse = cache_reuse
-        self.cached = LlamaServer(binary, gguf, ["--cache-reuse", str(cache_reuse), "--cache-ram", "0"],
-                                  threads, ctx, log)  # fmt: skip
+        # slot actions (the erase) need a save path, though nothing is saved there
+        slots = log.parent / "llama-server-slots"
+        slots.mkdir(parents=True, exist_ok=True)
+        cached = ["--cache-reuse", str(cache_reuse), "--cache-ram", "0", "--slot-save-path", str(slots)]
+        self.cached = LlamaServer(binary, gguf, cached, threads, ctx, log)
         try:
             full = ["--no-cache-prompt", "--cache-ram", "0"]
             self.reference = LlamaServer(binary, gguf, full, threads, ctx, log)
