@@ -97,17 +97,11 @@ def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def summarize(rows: Sequence[Row]) -> dict[str, Any]:
-    hit = [r for r in rows if r.cached.usage.cached_tokens > 0]
-    total = sum(r.prompt_tokens for r in rows) or 1
-    u = [r.cached.usage for r in rows]
-    exact = sum(x.prefix_tokens for x in u)
-    repaired = sum(x.repaired_tokens for x in u)
-    content = sum(x.relocated_tokens for x in u)
-    kls = [kl(r.reference.logits, r.cached.logits) for r in rows]
-    ratios = [r.reference.ttft_s / r.cached.ttft_s for r in hit if r.cached.ttft_s > 0]
+def answer_fields(rows: Sequence[Any], hit: Sequence[Any]) -> dict[str, Any]:
+    """Agreement of cached answers with the full prefill's; ``rows`` have ``.cached.tokens`` and
+    ``.reference.tokens`` (Kamera's rows and the peer's alike)."""
 
-    def share(rs: Sequence[Row], same: Any) -> float | None:
+    def share(rs: Sequence[Any], same: Any) -> float | None:
         return round(sum(map(same, rs)) / len(rs), 4) if rs else None
 
     return {
@@ -116,6 +110,28 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         "greedy_agreement_with_hits": share(hit, lambda r: r.cached.tokens == r.reference.tokens),
         "greedy_agreement": share(rows, lambda r: r.cached.tokens == r.reference.tokens),
         "first_token_agreement": share(rows, lambda r: r.cached.tokens[:1] == r.reference.tokens[:1]),
+    }
+
+
+def ttft_fields(hit: Sequence[Any]) -> dict[str, Any]:
+    """Full prefill's time to first token over the cached one's, on requests with hits."""
+    ratios = [r.reference.ttft_s / r.cached.ttft_s for r in hit if r.cached.ttft_s > 0]
+    return {
+        "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
+        "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
+    }
+
+
+def summarize(rows: Sequence[Row]) -> dict[str, Any]:
+    hit = [r for r in rows if r.cached.usage.cached_tokens > 0]
+    total = sum(r.prompt_tokens for r in rows) or 1
+    u = [r.cached.usage for r in rows]
+    exact = sum(x.prefix_tokens for x in u)
+    repaired = sum(x.repaired_tokens for x in u)
+    content = sum(x.relocated_tokens for x in u)
+    kls = [kl(r.reference.logits, r.cached.logits) for r in rows]
+    return {
+        **answer_fields(rows, hit),
         "kl_mean": round(statistics.fmean(kls), 6) if kls else None,
         "kl_max": round(max(kls), 6) if kls else None,
         "shares": {
@@ -125,8 +141,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "cached": round((exact + content) / total, 4),
             "recomputed": round(sum(x.prefilled_tokens for x in u) / total, 4),
         },
-        "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
-        "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
+        **ttft_fields(hit),
         "lost_entries": sum(x.lost_entries for x in u),
         "fallbacks": {
             "requests": sum(x.fallback_tokens > 0 for x in u),

@@ -33,7 +33,6 @@ import os
 import shlex
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -228,7 +227,6 @@ class Peer:
     """The cached and the reference instance, started together and closed together."""
 
     def __init__(self, binary: Path, gguf: Path, cache_reuse: int, threads: int, ctx: int, log: Path) -> None:
-        self.cache_reuse = cache_reuse
         # slot actions (the erase) need a save path, though nothing is saved there
         slots = log.parent / "llama-server-slots"
         slots.mkdir(parents=True, exist_ok=True)
@@ -257,28 +255,21 @@ class Peer:
 
 def summarize_peer(rows: Sequence[PeerRow]) -> dict[str, Any]:
     """llama.cpp's figures, named as Kamera's are in ``bench.consistency.summarize``."""
+    from bench.consistency import answer_fields, ttft_fields
+
     hit = [r for r in rows if r.cached.cached_tokens > 0]
     total = sum(r.cached.prompt_tokens for r in rows) or 1
-    ratios = [r.reference.ttft_s / r.cached.ttft_s for r in hit if r.cached.ttft_s > 0]
-
-    def share(rs: Sequence[PeerRow], same: Any) -> float | None:
-        return round(sum(map(same, rs)) / len(rs), 4) if rs else None
-
+    cached = sum(r.cached.cached_tokens for r in rows) / total
     return {
-        "requests": len(rows),
-        "requests_with_hits": len(hit),
-        "greedy_agreement_with_hits": share(hit, lambda r: r.cached.tokens == r.reference.tokens),
-        "greedy_agreement": share(rows, lambda r: r.cached.tokens == r.reference.tokens),
-        "first_token_agreement": share(rows, lambda r: r.cached.tokens[:1] == r.reference.tokens[:1]),
+        **answer_fields(rows, hit),
         "kl_mean": None,  # llama-server's stream gives no full first-token distribution
         "kl_max": None,
         "shares": {
-            "exact": None,
+            "exact": None,  # llama.cpp does not tell an exact prefix from a shifted chunk
             "content": None,
             "repair_recomputed": 0.0,
-            "cached": round(sum(r.cached.cached_tokens for r in rows) / total, 4),
-            "recomputed": round(1 - sum(r.cached.cached_tokens for r in rows) / total, 4),
+            "cached": round(cached, 4),
+            "recomputed": round(1 - cached, 4),
         },
-        "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
-        "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
+        **ttft_fields(hit),
     }
