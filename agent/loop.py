@@ -198,8 +198,16 @@ class Agent:
         return out
 
     def step(
-        self, observations: Sequence[Observation], instruction: str, max_new_tokens: int | None = None
+        self,
+        observations: Sequence[Observation],
+        instruction: str,
+        max_new_tokens: int | None = None,
+        keep_turn: bool = True,
     ) -> StepResult:
+        """Append the observations, answer ``instruction`` on the window and (``keep_turn``) keep
+        the instruction and its answer in the window as one ``turn`` chunk. ``keep_turn=False``
+        answers on the window alone and leaves it as it was: for questions that are each asked
+        of what the window holds (a video's frames), not of the conversation before them."""
         t0 = time.perf_counter()
         cm, c = self.context, self.context.counters
         before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
@@ -234,7 +242,10 @@ class Agent:
         c.tokens_prefilled += prompt.n_tokens + len(tokens)
         c.tokens_reused += reused
         output = self.adapter.tokenizer.decode(tokens, skip_special_tokens=True)
-        self._record_turn(prompt, tokens, cache, start)
+        if keep_turn:
+            self._record_turn(prompt, tokens, cache, start)
+        else:  # the live cache holds the question and answer after the window: drop them
+            cm.invalidate()
         t1 = time.perf_counter()
         if self.auto_finalize:
             cm.finalize()

@@ -13,7 +13,10 @@ model is the embedded world model unless ``--model`` names another (``demos/vl_m
 Two baselines are measured in the same run: ``reprefill_ttft_ms``, a full prefill of the first
 question's window (vision features cached, so the LLM prefill alone), and with ``--compare``
 ``reencode_total_s``, every question answered from scratch on its window (vision encoder
-included, on an adapter with an empty feature cache).
+included, on an adapter with an empty feature cache). Re-encoding is timed as a tool without the
+cache runs it: a second pass decodes the stream again and answers each question when its time
+comes, preprocessing the window's frames then (``reencode_with_decode_s``, the whole pass), so
+that both ways meet the machine in the same state (the encoder's weights cold after decoding).
 
 Not here: audio, seeking (the stream is decoded front to back), several videos in one window.
 """
@@ -29,16 +32,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError
+from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, frozen_heap
 from agent.adapters.qwen_vl import QwenVLAdapter
 from demos.retrieval import RETRIEVALS
 from demos.video_session import LAYOUTS, SYSTEM_PROMPT, Asked, VideoSession
 from demos.vl_model import TINY, UsageError, load_vl_adapter
 from tools.world import WORLD_VL_DIR
+
+if TYPE_CHECKING:
+    from tools.video import SamplingConfig, VideoInfo
 
 # FFmpeg renders any text file as ANSI-art video through its tty demuxer; that is not a video.
 TEXT_FORMATS = frozenset({"tty"})
@@ -186,10 +192,7 @@ def read_questions(path: Path, start: int = 0) -> list[Asked]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from tools.video import NotAVideoError, SamplingConfig, iter_frames, plan_sampling, probe_video
+    from tools.video import NotAVideoError, SamplingConfig, plan_sampling, probe_video
 
     if (
         min(args.budget, args.frames_per_question, args.max_new_tokens, args.evict_batch, args.ingest_batch)
@@ -218,8 +221,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # frames sized within the model's own bounds: its processor would resize anything else again
         lo, hi = adapter.pixel_bounds()
         sampling = replace(sampling, min_pixels=lo, max_pixels=hi)
-    plan = plan_sampling(info, sampling)
+    with frozen_heap():  # the collector's full passes skip the model and libraries
+        return _play(args, adapter, info, sampling, asked, load_s)
 
+
+def _play(
+    args: argparse.Namespace,
+    adapter: Any,
+    info: VideoInfo,
+    sampling: SamplingConfig,
+    asked: list[Asked],
+    load_s: float,
+) -> dict[str, Any]:
+    """The session itself: the stream decoded once, questions answered as their time comes."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tools.video import iter_frames, plan_sampling
+
+    plan = plan_sampling(info, sampling)
     t0 = time.perf_counter()
     session = VideoSession(adapter, args)
     pending = sorted(asked, key=lambda q: math.inf if q.at is None else q.at)
@@ -262,6 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "frame_size": [plan.height, plan.width],
         "frames_sampled": n_sampled,
         "distinct_frames": len({f.chunk_id for f in session.frames}),
+        # lazy: the first frame (its token count) and those questions picked; eager: every one
+        "frames_preprocessed": len(session.prepared) if session.lazy else n_sampled,
         "vision_encoder_calls": snap["vision_encoder_calls"],
         "tokens_reused": snap["window"]["tokens_reused"],
         "questions": [
@@ -292,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     report["ingest_s"] = total_s - decode_s - report["answer_total_s"]
     if args.compare:
-        report.update(session.reencode(asked))
+        report.update(_reencode_pass(args, sampling, session, asked))
         report["speedup_total"] = report["reencode_total_s"] / total_s
         report["speedup_answers"] = report["reencode_total_s"] / max(report["answer_total_s"], 1e-9)
         report.update(question_rate(report, len(asked)))
@@ -312,14 +334,60 @@ def question_rate(report: dict[str, Any], n_questions: int) -> dict[str, Any]:
     d, ingest = report["decode_s"], max(report["ingest_s"], 0.0)
     a = report["answer_total_s"] / max(n_questions, 1)
     r = report["reencode_total_s"] / max(n_questions, 1)
+    with_decode = report.get("reencode_with_decode_s", d + report["reencode_total_s"])
     out: dict[str, Any] = {
-        "reencode_with_decode_s": d + report["reencode_total_s"],
-        "speedup_total_with_decode": (d + report["reencode_total_s"]) / max(report["total_s"], 1e-9),
+        "reencode_with_decode_s": with_decode,
+        "speedup_total_with_decode": with_decode / max(report["total_s"], 1e-9),
         "answer_s_per_question": a,
         "reencode_s_per_question": r,
     }
     out["break_even_questions"] = math.ceil(ingest / (r - a)) if r > a else None
     out["questions_for_5x"] = math.ceil((4 * d + 5 * ingest) / (r - 5 * a)) if r > 5 * a else None
+    return out
+
+
+def _reencode_pass(
+    args: argparse.Namespace, sampling: SamplingConfig, session: VideoSession, asked: list[Asked]
+) -> dict[str, Any]:
+    """Re-encoding, timed as a tool without the cache would run: the stream decoded again, and
+    each question answered when its time comes, from scratch on the window the session gave it
+    (its frames preprocessed then, the vision encoder run on each). Only the frames some window
+    holds are kept, each until the last question that needs it."""
+    from tools.video import iter_frames
+
+    wanted: dict[float, int] = {}
+    for q in asked:
+        for t in q.frame_times:
+            wanted[t] = wanted.get(t, 0) + 1
+    images: dict[float, Any] = {}
+    pending = sorted(asked, key=lambda q: math.inf if q.at is None else q.at)
+
+    def answer(q: Asked) -> None:
+        session.reencode_one(q, images)
+        for t in q.frame_times:
+            wanted[t] -= 1
+            if not wanted[t]:
+                images.pop(t, None)
+
+    t0 = time.perf_counter()
+    decode_s = 0.0
+    frames = iter_frames(args.video, sampling)
+    while True:
+        t_decode = time.perf_counter()
+        frame = next(frames, None)
+        if frame is None:
+            break
+        image = frame.to_pil() if frame.timestamp in wanted else None
+        decode_s += time.perf_counter() - t_decode
+        while pending and pending[0].at is not None and pending[0].at < frame.timestamp:
+            answer(pending.pop(0))
+        if image is not None:
+            images[frame.timestamp] = image
+    while pending:
+        answer(pending.pop(0))
+    out = session.reencode(asked)
+    out["reencode_with_decode_s"] = time.perf_counter() - t0
+    out["reencode_decode_s"] = decode_s
     return out
 
 

@@ -5,7 +5,9 @@ Each sampled frame is preprocessed, run through the vision encoder once (the ada
 features by content) and appended to the window as its own chunk, with its timestamp; the
 context manager slides the oldest frames out when the token budget is reached. A question picks
 the frames it needs with a retrieval strategy (``demos/retrieval.py``) and brings back the
-evicted ones with ``ContextManager.recall``: no vision encoder, no prefill of the frame.
+evicted ones with ``ContextManager.recall``: no vision encoder, no prefill of the frame. That is
+``--ingest eager``; under ``--ingest lazy`` (the default) a frame is kept as decoded, keyed by its
+pixels, and is preprocessed, encoded and prefilled only when a question first picks it.
 
 Not here: decoding the video or parsing the command line (``video_qa.py``).
 """
@@ -25,6 +27,7 @@ from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.loop import Agent, ChatML
+from cache.keys import digest_key
 from demos.retrieval import FrameRecord, make_retrieval
 from demos.vl_model import UsageError, encode_text, fresh_adapter
 from tools.world import WORLD_VL_DIR
@@ -47,6 +50,7 @@ class Asked:
     exact_chunks: int = 0  # window chunks (frames and labels) reused as a fresh prefill has them
     window_ids: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    reencoded: tuple[float, str, int] | None = None  # re-encoding's seconds, answer, encoder runs
 
 
 class LabelledFrames(ChatML):
@@ -98,31 +102,62 @@ class VideoSession:
         self.reprefill: dict[str, Any] | None = None
         self.pending: list[tuple[ImageInput, float]] = []
         self.prefix_tokens = self.cm.view()[0].n_tokens  # the pinned system prompt
-        self.preprocess_s = 0.0  # the image processor's time on every frame
+        self.preprocess_s = 0.0  # the image processor's time as frames come (eager: on every one)
+        self._labels: dict[int, tuple[str, TextInput]] = {}
+        # lazy ingest: decoded frames by pixel key, and those a question picked, preprocessed
+        self.decoded: dict[str, Any] = {}
+        self.prepared: dict[str, ImageInput] = {}
+        self._tokens_by_size: dict[tuple[int, int], int] = {}
 
     @property
     def cm(self) -> ContextManager:
         return self.agent.context
 
     def add_frame(self, image: Any, t: float) -> None:
-        """Queue a decoded frame; every ``--ingest-batch`` frames go into the window together
-        (one vision encoder batch, one forward pass), and before a question."""
+        """Take a decoded frame. Lazy: keep it as decoded, keyed by its pixels; it is preprocessed,
+        encoded and prefilled if and when a question picks it. Eager: preprocess it and queue it;
+        every ``--ingest-batch`` frames go into the window together (one vision encoder batch, one
+        forward pass), and before a question."""
+        if self.lazy:
+            key = digest_key("frame", [repr((image.mode, image.size)).encode(), image.tobytes()]).hex
+            self.decoded[key] = image
+            self.frames.append(FrameRecord(key, t, self._frame_tokens(key, image), None))
+            return
         t0 = time.perf_counter()
         chunk = self.adapter.image(image)  # type: ignore[attr-defined]
         self.preprocess_s += time.perf_counter() - t0
-        if chunk.n_tokens + self.prefix_tokens > self.args.budget:
-            raise UsageError(
-                f"a frame is {chunk.n_tokens} tokens: --budget {self.args.budget} cannot hold one "
-                "frame after the system prompt"
-            )
-        if self.lazy:  # kept preprocessed; encoded and prefilled if and when a question picks it
-            cid = self.adapter.chunk_key(chunk, self.cm.config.tenant_salt)
-            self.inputs[cid] = chunk
-            self.frames.append(FrameRecord(cid, t, chunk.n_tokens, None))
-            return
+        self._check_fits(chunk.n_tokens)
         self.pending.append((chunk, t))
         if len(self.pending) >= self.args.ingest_batch:
             self.flush()
+
+    def _check_fits(self, n_tokens: int) -> None:
+        if n_tokens + self.prefix_tokens > self.args.budget:
+            raise UsageError(
+                f"a frame is {n_tokens} tokens: --budget {self.args.budget} cannot hold one "
+                "frame after the system prompt"
+            )
+
+    def _frame_tokens(self, key: str, image: Any) -> int:
+        """A decoded frame's token count, which depends on its size alone: the first frame of each
+        size is preprocessed to learn it (and kept)."""
+        if image.size not in self._tokens_by_size:
+            t0 = time.perf_counter()
+            chunk = self.adapter.image(image)  # type: ignore[attr-defined]
+            self.preprocess_s += time.perf_counter() - t0
+            self._check_fits(chunk.n_tokens)
+            self._tokens_by_size[image.size] = chunk.n_tokens
+            self.prepared[key] = chunk
+        return self._tokens_by_size[image.size]
+
+    def frame_input(self, frame: FrameRecord) -> ChunkInput:
+        """A frame's preprocessed chunk (lazy ingest: preprocessed now, the first time it is asked
+        for, and kept)."""
+        chunk = self.prepared.get(frame.chunk_id) if self.lazy else self.inputs[frame.chunk_id]
+        if chunk is None:
+            chunk = self.adapter.image(self.decoded[frame.chunk_id])  # type: ignore[attr-defined]
+            self.prepared[frame.chunk_id] = chunk
+        return chunk
 
     def flush(self) -> None:
         """Put the queued frames into the window."""
@@ -188,7 +223,8 @@ class VideoSession:
         q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
         q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
         prepare_ms = 1000 * (time.perf_counter() - t0)
-        result = self.agent.step([], q.question)
+        # each question is asked of its frames alone, as re-encoding asks it: no earlier turns
+        result = self.agent.step([], q.question, keep_turn=False)
         q.answer = result.output.strip()
         q.ttft_ms = prepare_ms + result.report.ttft_ms
         q.answer_ms = prepare_ms + result.report.total_ms
@@ -202,7 +238,7 @@ class VideoSession:
         features stay in the adapter's cache, so prefilling the frame later runs no encoder)."""
         if frame.embedding is not None:
             return frame
-        features = self.adapter.image_features(self.inputs[frame.chunk_id])  # type: ignore[attr-defined]
+        features = self.adapter.image_features(self.frame_input(frame))  # type: ignore[attr-defined]
         return replace(frame, embedding=features.float().mean(0))
 
     def _place_exact(self, chosen: Sequence[FrameRecord]) -> int:
@@ -214,17 +250,19 @@ class VideoSession:
         everything after it slides out, and the rest is prefilled in context in one pass. A frame
         seen before runs no vision encoder (its features are kept by content). Returns the number
         of chunks reused."""
-        pieces: list[tuple[ChunkInput, dict[str, Any]]] = []
+        pieces: list[tuple[str, ChunkInput, dict[str, Any]]] = []
+        salt = self.cm.config.tenant_salt
         for k, f in enumerate(sorted(chosen, key=lambda f: f.t), 1):
             if self.labelled:
-                pieces.append((self._label(k), {"kind": "label"}))
-            pieces.append((self.inputs[f.chunk_id], {"kind": "frame", "t": f.t}))
-        salt = self.cm.config.tenant_salt
-        keep = self.cm.exact_run([self.adapter.chunk_key(chunk, salt) for chunk, _ in pieces])
+                label_id, label = self._label_piece(k)
+                pieces.append((label_id, label, {"kind": "label"}))
+            chunk = self.frame_input(f)
+            pieces.append((self.adapter.chunk_key(chunk, salt), chunk, {"kind": "frame", "t": f.t}))
+        keep = self.cm.exact_run([cid for cid, _, _ in pieces])
         self.cm.cut(keep, store=False)  # what leaves is prefilled again if asked for: features kept
         rest = pieces[keep:]
-        ids = self.cm.append_many([chunk for chunk, _ in rest], [meta for _, meta in rest])
-        for cid, (chunk, _) in zip(ids, rest, strict=True):
+        ids = self.cm.append_many([chunk for _, chunk, _ in rest], [meta for _, _, meta in rest])
+        for cid, (_, chunk, _) in zip(ids, rest, strict=True):
             self.inputs[cid] = chunk
         return keep
 
@@ -250,7 +288,14 @@ class VideoSession:
         return [f.t for f in missing]
 
     def _label(self, k: int) -> TextInput:
-        return encode_text(self.adapter, f"frame {k}")
+        return self._label_piece(k)[1]
+
+    def _label_piece(self, k: int) -> tuple[str, TextInput]:
+        """``frame k`` as a chunk and its content key, tokenized and hashed once per session."""
+        if k not in self._labels:
+            label = encode_text(self.adapter, f"frame {k}")
+            self._labels[k] = (self.adapter.chunk_key(label, self.cm.config.tenant_salt), label)
+        return self._labels[k]
 
     def _relabel(self, chosen: Sequence[FrameRecord]) -> None:
         """Leave only the chosen frames in the window, each after its ``frame k`` label.
@@ -282,19 +327,34 @@ class VideoSession:
     def _prompt(self, question: str) -> TextInput:
         return encode_text(self.adapter, self.chat.instruction(question))
 
-    def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
-        """Each question answered from scratch on its window, vision encoder included."""
+    def reencode_one(self, q: Asked, images: dict[float, Any] | None = None) -> None:
+        """Answer ``q`` again from scratch on its window, vision encoder included (a fresh adapter
+        keeps no features). ``images``: the decoded frames by timestamp, preprocessed here as a
+        tool without the cache must (``None``: the session's preprocessed frames)."""
         t0 = time.perf_counter()
-        answers, calls = [], 0
+        fresh = fresh_adapter(self.adapter)
+        times = iter(q.frame_times)
+        chunks: list[ChunkInput] = [self._prefix()]
+        for cid in q.window_ids:
+            chunk = self.inputs[cid]
+            if isinstance(chunk, ImageInput):
+                t = next(times)
+                chunk = chunk if images is None else fresh.image(images[t])  # type: ignore[attr-defined]
+            chunks.append(chunk)
+        _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
+        q.reencoded = (time.perf_counter() - t0, answer.strip(), encoder_calls(fresh))
+
+    def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
+        """Re-encoding's figures over ``asked``: each question answered from scratch on its window
+        (by :meth:`reencode_one`: in the re-encoding pass, or now for one that was not)."""
         for q in asked:
-            fresh = fresh_adapter(self.adapter)  # from scratch: no features kept between questions
-            chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
-            _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
-            answers.append(answer.strip())
-            calls += encoder_calls(fresh)
+            if q.reencoded is None:
+                self.reencode_one(q)
+        runs = [q.reencoded for q in asked if q.reencoded is not None]
+        answers = [a for _, a, _ in runs]
         return {
-            "reencode_total_s": time.perf_counter() - t0,
-            "reencode_vision_encoder_calls": calls,
+            "reencode_total_s": sum(s for s, _, _ in runs),
+            "reencode_vision_encoder_calls": sum(c for _, _, c in runs),
             "reencode_answers": answers,
             "reencode_same_answers": sum(a == q.answer for a, q in zip(answers, asked, strict=True)),
             "reencode_correct": sum(

@@ -14,6 +14,7 @@ from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, lo
 from agent.adapters.tiny import BUILDERS, VISION_FAMILIES
 from agent.adapters.vision import VisionAdapter, encoder_calls
 from cache.arena import KVArena
+from cache.keys import image_key
 
 TEXT_FAMILIES = [n for n in BUILDERS if n not in VISION_FAMILIES]
 
@@ -165,6 +166,19 @@ def test_vision_encoder_runs_once_per_image(name: str) -> None:
     adapter.encode(a)
     assert adapter.vision_encoder_calls == 3
     assert encoder_calls(load_adapter("tiny:llama-gqa")) == 0
+
+
+def test_an_image_chunk_key_is_remembered_by_content_and_salt() -> None:
+    adapter = vision("qwen2.5-vl")
+    a, b = adapter.image(picture(3)), adapter.image(picture(4))
+    expect = image_key(
+        adapter.namespace("t"), a.pixel_values, "RGB", {"grid_thw": a.grid_thw, "image_key": a.content_key}
+    )
+    assert adapter.chunk_key(a, "t") == str(expect)
+    assert adapter.chunk_key(adapter.image(picture(3)), "t") == str(expect)  # the same pixels again
+    assert adapter.chunk_key(a, "u") != str(expect)  # another tenant's salt, another key
+    assert adapter.chunk_key(a) != adapter.chunk_key(b)
+    assert adapter.chunk_key(a, "t") == str(expect)
 
 
 def test_text_model_refuses_images_and_unknown_models(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -51,3 +51,20 @@ def test_fast_never_falls_back_and_repair_only_on_close_calls(llama: Any) -> Non
 def test_an_unknown_reuse_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="reuse"):
         WindowConfig(reuse="sometimes")
+
+
+def test_a_step_that_keeps_no_turn_leaves_the_window_as_it_was(llama: Any) -> None:
+    window = WindowConfig(budget_tokens=900, reuse="exact")
+    agent = Agent(llama, "You answer from notes.", window=window, max_new_tokens=8, finalize=False)
+    agent.step([NOTES[0]], "What is note 0.3?")  # a turn kept: the window is prefix, note, turn
+    before = [(v.chunk_id, v.start) for v in agent.context.view()]
+    first = agent.step([], "What is note 0.5?", keep_turn=False)
+    assert [(v.chunk_id, v.start) for v in agent.context.view()] == before
+    # the question and answer written after the window are gone from the live cache
+    assert llama.cache_length(agent.context.cache()) == agent.context.tokens
+    again = agent.step([], "What is note 0.5?", keep_turn=False)
+    assert again.output == first.output
+    # and the window still answers as a fresh prefill of it does
+    fresh = Agent(llama, "You answer from notes.", window=window, max_new_tokens=8, finalize=False)
+    fresh.step([NOTES[0]], "What is note 0.3?")
+    assert fresh.step([], "What is note 0.5?").output == first.output

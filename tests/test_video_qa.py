@@ -116,11 +116,15 @@ def test_lazy_ingest_encodes_only_what_questions_pick(video: Path, tmp_path: Pat
     assert min(last["frame_times"]) > 8
     # only the frames questions picked ran through the vision encoder, each once
     assert report["vision_encoder_calls"] == 6
+    assert report["frames_preprocessed"] == 7  # and the first frame, to learn a frame's token count
     assert report["reencode_vision_encoder_calls"] == 9
+    # re-encoding decoded the stream again and answered each question as it came
+    assert report["reencode_decode_s"] > 0
+    assert report["reencode_total_s"] < report["reencode_with_decode_s"]
     # the second question found its three frames as a fresh prefill has them; the third none
     assert [q["exact_chunks"] for q in report["questions"]] == [0, 3, 0]
-    # cut: the first question's turn for the second, then the three frames and that turn for the last
-    assert report["window"]["chunks_evicted"] == 5
+    # no question's turn stays in the window; the last question cut the three frames before it
+    assert report["window"]["chunks_evicted"] == 3
     assert report["reencode_same_answers"] == 3
 
 

@@ -13,6 +13,7 @@ Not here: vision inputs (``qwen_vl.py``), loading checkpoints (``loading.py``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
 from cache.window import ArenaDims
 
+_IMAGE_KEYS_KEPT = 16384  # remembered image chunk keys (one short string each)
 INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
@@ -74,6 +76,8 @@ class DecoderAdapter(ModelAdapter):
             model.set_attn_implementation(attention.NAME)  # grouped heads without copying the cache
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # image chunk keys by (content key, grid, pixel shape, tenant salt); see chunk_key
+        self._image_keys: OrderedDict[tuple[Any, ...], str] = OrderedDict()
         self.base = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         mla = getattr(cfg, "kv_lora_rank", None) is not None
@@ -184,16 +188,28 @@ class DecoderAdapter(ModelAdapter):
         )
 
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
-        """Content key of a chunk under this model's namespace (and a tenant's salt)."""
+        """Content key of a chunk under this model's namespace (and a tenant's salt).
+
+        An image's key is remembered by its input's ``content_key`` (which covers its pixels and
+        preprocessing, and which the vision feature cache is keyed by too), so an image placed
+        again is not hashed again."""
         if isinstance(chunk, ImageInput):
-            return str(
-                image_key(
-                    self.namespace(tenant_salt),
-                    chunk.pixel_values,
-                    "RGB",
-                    {"grid_thw": chunk.grid_thw, "image_key": chunk.content_key},
+            memo = self._image_keys
+            at = (chunk.content_key, chunk.grid_thw, tuple(chunk.pixel_values.shape), tenant_salt)
+            key = memo.get(at)
+            if key is None:
+                key = str(
+                    image_key(
+                        self.namespace(tenant_salt),
+                        chunk.pixel_values,
+                        "RGB",
+                        {"grid_thw": chunk.grid_thw, "image_key": chunk.content_key},
+                    )
                 )
-            )
+                memo[at] = key
+                if len(memo) > _IMAGE_KEYS_KEPT:
+                    memo.popitem(last=False)
+            return key
         return str(token_key(self.namespace(tenant_salt), chunk.ids))
 
     def _extract(

@@ -14,9 +14,12 @@ known embedded model is an error.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import json
 import tempfile
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,22 @@ DECODER_ARCHITECTURES = frozenset(
 )
 VISION_ARCHITECTURES = frozenset({"qwen2_5_vl", "qwen3_vl"})
 TINY = "tiny"  # "tiny" alone: tiny.DEFAULT_FAMILY; "tiny:<family>": one of tiny.BUILDERS
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector off what is alive now (a loaded model, the
+    libraries behind it) for the duration: collect once, then move every live object into the
+    collector's permanent generation, so the collections that the work inside triggers scan only
+    what that work allocates. A model and torch leave hundreds of thousands of objects behind;
+    without this, each full collection walks them all, in the middle of a request. The objects
+    are handed back to the collector on exit."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class UnsupportedModelError(ValueError):
