@@ -18,6 +18,11 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
 - ``cacheblend-<pct>``: blind, then the ``pct`` % of chunk tokens whose values deviate most at
   layer 1 recomputed through all layers (``agent/recompute.py``).
 - ``epic-<k>``: blind, then the first k tokens of every chunk but the first recomputed.
+- ``cacheblend-<pct>+guard``: what ``kamera serve`` answers with in ``repair`` mode: the same
+  recompute, then greedy decoding under the repair guard (``--guard-margin``, the server's
+  default): at the first step whose best two logits lie closer than the margin, decoding moves to
+  the context's exact KV (a fresh prefill of every chunk after the first), whose cost joins the
+  row's ``recompute`` (``fallback``: the share of items that took it).
 
 Canonical KV (``--canonical``): ``alone`` encodes a chunk on its own at position 0;
 ``after-prefix`` encodes it right after the pinned prefix (the attention sink), then removes
@@ -62,13 +67,13 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def load_model(name: str | None) -> ModelAdapter:
-    """``tiny:<family>`` for a random-weight model, otherwise :func:`load_adapter`'s names."""
-    if name and name.startswith("tiny:"):
-        from agent.adapters.loading import load_adapter
-
-        return load_adapter(name)
+    """``tiny:<family>`` for a random-weight model (with the byte tokenizer, which the guarded
+    rows' decoding needs), otherwise :func:`load_adapter`'s names."""
     from agent.adapters.loading import load_adapter
+    from agent.byte_tokenizer import ByteTokenizer
 
+    if name and name.startswith("tiny:"):
+        return load_adapter(name, tokenizer=ByteTokenizer())
     return load_adapter(name)
 
 
@@ -101,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cacheblend", default="15", help="recompute ratios, %% of chunk tokens")
     parser.add_argument("--epic", default="16", help="first-k token counts")
+    parser.add_argument(
+        "--guard-margin",
+        type=float,
+        default=FidelityConfig.guard_margin,
+        help="repair guard margin of the cacheblend-<pct>+guard rows (0: leave them out)",
+    )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-chunks", type=int, default=4, help="chunks per item (0: all)")
     parser.add_argument("--max-chunk-tokens", type=int, default=256)
@@ -123,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget_weighting=args.budget_weighting,
         cacheblend=_floats(args.cacheblend),
         epic=tuple(int(k) for k in _floats(args.epic)),
+        guard_margin=args.guard_margin,
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,

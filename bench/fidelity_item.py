@@ -6,14 +6,17 @@ Not here: pooling items, tables, plots (``fidelity_report.py``); the CLI (``fide
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.recompute import selective_recompute
+from agent.recompute import DeviationSelection, selective_recompute
+from agent.server.generation import SamplingParams, decode
+from agent.server.prompt_cache import PromptCacheConfig
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity_data import QAItem
 from bench.methods import (
@@ -52,6 +55,7 @@ class FidelityConfig:
     max_chunk_tokens: int | None = 256
     max_new_tokens: int = 16
     system: str = SYSTEM
+    guard_margin: float = PromptCacheConfig.repair_margin  # 0 leaves out the guarded rows
 
     def __post_init__(self) -> None:
         bad = [m for m in self.canonical if m not in CANONICAL_MODES]
@@ -61,6 +65,8 @@ class FidelityConfig:
             raise ValueError("ranks and budgets must be positive")
         if any(not 0 < p <= 100 for p in self.cacheblend) or any(k <= 0 for k in self.epic):
             raise ValueError("cacheblend ratios lie in (0, 100] and epic k is positive")
+        if not 0 <= self.guard_margin < float("inf"):
+            raise ValueError(f"guard_margin must be a finite number >= 0, got {self.guard_margin}")
 
 
 class Prompt(NamedTuple):
@@ -111,6 +117,7 @@ class MethodRecord:
     fit_ms: float = 0.0
     apply_ms: float = 0.0
     oracle: bool = False  # built from the served context's own full prefill (bench/methods.py)
+    fallback: float = 0.0  # 1 when a guarded answer moved to exact KV (its cost is in recompute)
 
 
 class ItemResult(NamedTuple):
@@ -137,6 +144,43 @@ def run_tail(
         cache.crop(-len(forced))  # drop the forced answer again (transformers 5: negative = remove)
     greedy = adapter.generate(adapter.text(prompt.tail), cache, n, max_new, first_logits=logits[-1])
     return torch.cat(parts), greedy.tokens
+
+
+class _ExactTail:
+    """The repair guard's way to exact KV (``agent.server.generation.Guard``): the context as a
+    full prefill computes it, then the tail; taken only at a close call, and paid for then."""
+
+    def __init__(
+        self, adapter: ModelAdapter, k: torch.Tensor, v: torch.Tensor, tail: torch.Tensor, margin: float
+    ):
+        self.adapter, self.k, self.v, self.tail, self.margin = adapter, k, v, tail, margin
+
+    def exact(self) -> tuple[Any, torch.Tensor, int]:
+        n = self.k.shape[2]
+        cache = self.adapter.new_cache([(self.k, self.v)])
+        logits = self.adapter.next_logits(self.adapter.text(self.tail), cache, n)
+        return cache, logits, n + int(self.tail.numel())
+
+
+def guarded_answer(
+    adapter: ModelAdapter,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    exact: tuple[torch.Tensor, torch.Tensor],
+    prompt: Prompt,
+    margin: float,
+    max_new: int,
+) -> tuple[list[int], bool]:
+    """Greedy answer on repaired context KV ``kv`` under the server's guard (``generation.decode``):
+    at the first step whose best two logits lie within ``margin`` decoding moves to ``exact``, the
+    context's KV as a fresh prefill computes it. Returns the tokens and whether it moved."""
+    n, q = kv[0].shape[2], int(prompt.tail.numel())
+    cache = adapter.new_cache([kv])
+    logits = adapter.next_logits(adapter.text(prompt.tail), cache, n)
+    guard = _ExactTail(adapter, *exact, prompt.tail, margin)
+    out = decode(
+        adapter, logits, cache, n + q, SamplingParams(max_tokens=max_new), threading.Event(), guard=guard
+    )
+    return out.tokens, out.escalated_at is not None
 
 
 def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -203,13 +247,17 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
     ref_text = codec.decode(ref_answer).strip()
     golds = item.answers
 
-    def score(k: torch.Tensor, v: torch.Tensor, rec: MethodRecord) -> MethodRecord:
-        logits, greedy = run_tail(adapter, k, v, prompt, ref_answer, config.max_new_tokens)
-        rec.kl, rec.top1 = _kl_top1(ref_logits, logits)
+    def judge(greedy: list[int], rec: MethodRecord) -> MethodRecord:
         rec.answer = codec.decode(greedy).strip()
         rec.agree = float(rec.answer == ref_text)
         if golds:
             rec.em, rec.f1 = exact_match(rec.answer, golds), token_f1(rec.answer, golds)
+        return rec
+
+    def score(k: torch.Tensor, v: torch.Tensor, rec: MethodRecord) -> MethodRecord:
+        logits, greedy = run_tail(adapter, k, v, prompt, ref_answer, config.max_new_tokens)
+        rec.kl, rec.top1 = _kl_top1(ref_logits, logits)
+        judge(greedy, rec)
         rec.k_err, rec.v_err = _rel_err(k[:, :, p:], k_ref[:, :, p:]), _rel_err(v[:, :, p:], v_ref[:, :, p:])
         return rec
 
@@ -259,6 +307,21 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 apply_ms=1e3 * elapsed / len(lengths),
             )
             recs[name] = score(out.k, out.v, rec)
+            if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
+                # what `kamera serve` runs in repair mode: this recompute, then the guard; a
+                # fallback costs the exact prefill of everything after the exact prefix
+                tokens, moved = guarded_answer(
+                    adapter,
+                    (out.k, out.v),
+                    (k_ref, v_ref),
+                    prompt,
+                    config.guard_margin,
+                    config.max_new_tokens,
+                )
+                guarded = replace(
+                    rec, recompute=rec.recompute + (later if moved else 0.0), fallback=float(moved)
+                )
+                recs[f"{name}+guard"] = judge(tokens, guarded)
         methods[mode] = recs
     return ItemResult(
         ref_text,

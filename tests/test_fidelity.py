@@ -10,6 +10,7 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import load_adapter
+from agent.byte_tokenizer import ByteTokenizer
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity import main
 from bench.fidelity_data import QAItem, in_split, load_items
@@ -25,7 +26,7 @@ ITEM = QAItem(
 
 @pytest.fixture(scope="module")
 def llama() -> ModelAdapter:
-    return load_adapter("tiny:llama-gqa")
+    return load_adapter("tiny:llama-gqa", tokenizer=ByteTokenizer())
 
 
 def test_reference_equals_direct_prefill(llama: ModelAdapter) -> None:
@@ -67,6 +68,32 @@ def test_exact_limits_of_every_method(llama: ModelAdapter) -> None:
     assert max(result.methods["after-prefix"]["blind"].k_err[1:]) > 0.0
     # after the prefix, the first chunk's canonical KV is its conditioned KV: Δ is zero there
     assert len(result.deficit["alone"]) == llama.info.n_layers
+
+
+def test_guarded_repair_rows(llama: ModelAdapter) -> None:
+    """The server's guard on CacheBlend's KV: a margin no step clears sends every answer to the
+    exact KV (the reference's answer, paid as a prefill of the later chunks); one every step
+    clears leaves the unguarded answer and cost."""
+    base = {"ranks": (), "budgets": (), "cacheblend": (10.0,), "epic": (), "max_chunk_tokens": 20}
+    lengths = [int(c.numel()) for c in build_prompt(Codec(None), ITEM, FidelityConfig(**base)).chunks]
+    later = sum(lengths[1:]) / sum(lengths)
+    always = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e9))
+    for recs in always.methods.values():
+        plain, guarded = recs["cacheblend-10"], recs["cacheblend-10+guard"]
+        assert guarded.fallback == 1.0
+        assert guarded.answer == always.reference_answer
+        assert guarded.agree == 1.0
+        assert guarded.recompute == pytest.approx(plain.recompute + later)
+        assert guarded.kl == plain.kl  # scored on the repaired KV the guard watched
+    never = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e-12))
+    for recs in never.methods.values():
+        plain, guarded = recs["cacheblend-10"], recs["cacheblend-10+guard"]
+        assert guarded.fallback == 0.0
+        assert (guarded.answer, guarded.recompute) == (plain.answer, plain.recompute)
+    off = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=0.0))
+    assert not any(n.endswith("+guard") for recs in off.methods.values() for n in recs)
+    with pytest.raises(ValueError, match="guard_margin"):
+        FidelityConfig(guard_margin=-1.0)
 
 
 def test_answer_scores() -> None:

@@ -169,6 +169,33 @@ def test_repair_recomputes_small_pieces_and_repairs_large_ones(llama: Any) -> No
     assert err_repair < err_fast
 
 
+def test_after_reused_content_the_rest_runs_in_one_pass(llama: Any, monkeypatch: Any) -> None:
+    """Segments are what make a prefill exact; what follows content reused at a moved place is
+    not exact whatever its passes, so it is prefilled in one."""
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
+    question = " ".join(f"And what of item {i}?" for i in range(40))  # several blocks long
+    moved = prompt_of(pc, chat("Now: a much longer first line, which shifts all that follows", question))
+    passes: list[int] = []
+    prefill = llama.prefill
+
+    def counted(chunk: Any, *args: Any, **kwargs: Any) -> Any:
+        passes.append(chunk.n_tokens)
+        return prefill(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "prefill", counted)
+    fast = pc.prepare(moved, mode="fast")
+    assert fast.usage.relocated_tokens > 0
+    assert max(passes) > pc.config.block_tokens  # the question after the reused document: one pass
+    passes.clear()
+    exact = pc.prepare(moved, mode="exact")
+    assert max(passes) <= pc.config.block_tokens  # the exact path keeps its segments
+    monkeypatch.undo()
+    reference = full_prefill_logits(llama, moved)
+    torch.testing.assert_close(exact.logits, reference, atol=1e-4, rtol=1e-4)
+    assert float((fast.logits - reference).abs().max()) < 0.1 * float(reference.abs().max())
+
+
 def test_lost_store_entries_are_prefilled_again(llama: Any) -> None:
     pc = make_cache(llama)
     prompt = prompt_of(pc, chat("Again"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,11 +54,14 @@ class Prompt:
     def n_images(self) -> int:
         return sum(isinstance(i, ImageInput) for i in self.inputs)
 
-    def cuts(self, block_tokens: int) -> np.ndarray:
+    def cuts(self, block_tokens: int | None) -> np.ndarray:
         """Unit offsets where prefill segments may start and end, sorted: 0, the end, every unit
-        that starts on a multiple of ``block_tokens`` tokens, and both edges of every image."""
+        that starts on a multiple of ``block_tokens`` tokens (None: none), and both edges of
+        every image."""
         starts = self.tok_off[:-1]
-        edges = [0, len(self.units), *np.flatnonzero(starts % block_tokens == 0).tolist()]
+        edges = [0, len(self.units)]
+        if block_tokens is not None:
+            edges += np.flatnonzero(starts % block_tokens == 0).tolist()
         for p, inp in enumerate(self.inputs):
             if isinstance(inp, ImageInput):
                 edges += [int(self.piece_unit[p]), int(self.piece_unit[p + 1])]
@@ -164,9 +167,7 @@ class PromptKeys:
         self._chain: dict[int, ContentKey | None] = {0: None}
 
     def segments(self, a: int, b: int) -> list[tuple[int, int]]:
-        inner = self.cuts[(self.cuts > a) & (self.cuts < b)].tolist()
-        edges = [a, *inner, b]
-        return list(itertools.pairwise(edges))
+        return between(self.cuts, a, b)
 
     def _span(self, a: int, b: int) -> ContentKey:
         return span_key(self.namespace, self.prompt.key_parts(a, b))
@@ -196,49 +197,10 @@ class PromptKeys:
         return record_key(key.hex, "exact" if exact else "approx")
 
 
-def _offsets(segments: Sequence[Any]) -> list[tuple[int, Any]]:
-    out, at = [], 0
-    for seg in segments:
-        out.append((at, seg))
-        at += seg.length
-    return out
-
-
-def _units_of(rows: Sequence[TableRow]) -> int:
-    return sum(r.end - r.start for r in rows)
-
-
-def _clip(rows: Sequence[TableRow], end: int) -> tuple[TableRow, ...]:
-    return tuple(r if r.end <= end else r._replace(end=end) for r in rows if r.start < end)
-
-
-def _cut_back(cuts: np.ndarray, at: int) -> int:
-    return int(cuts[np.searchsorted(cuts, at, side="right") - 1])
-
-
-def _fits(prompt: Prompt, s: int, e: int, kv: ChunkKV) -> bool:
-    return bool(
-        kv.n_tokens == prompt.tok_off[e] - prompt.tok_off[s]
-        and kv.extent == prompt.pos_off[e] - prompt.pos_off[s]
-    )
-
-
-def offsets(segments: Sequence[Any]) -> list[tuple[int, Any]]:
-    """Each radix segment with the unit it starts at."""
-    out, at = [], 0
-    for seg in segments:
-        out.append((at, seg))
-        at += seg.length
-    return out
-
-
-def units_of(rows: Sequence[TableRow]) -> int:
-    return sum(r.end - r.start for r in rows)
-
-
-def clip(rows: Sequence[TableRow], end: int) -> tuple[TableRow, ...]:
-    """``rows`` cut at unit ``end``."""
-    return tuple(r if r.end <= end else r._replace(end=end) for r in rows if r.start < end)
+def between(cuts: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
+    """Units [a, b) split at the ``cuts`` inside them."""
+    inner = cuts[(cuts > a) & (cuts < b)].tolist()
+    return list(itertools.pairwise([a, *inner, b]))
 
 
 def cut_back(cuts: np.ndarray, at: int) -> int:

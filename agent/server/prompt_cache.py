@@ -9,9 +9,11 @@ its content key (``cache.keys.span_key``), so they mean the same thing in every 
 The planner (``cache/planner.py``) cuts the units at piece boundaries and by content-defined
 chunking, matches the exact prefix in its radix tree, then looks up each later chunk by content.
 
-**Exact means exact.** Every prefill runs in *segments* cut at fixed points of the prompt:
-multiples of ``block_tokens`` tokens and the edges of every image (:meth:`Prompt.cuts`), so the
-same prompt is always computed by the same forward passes, whatever was reused. Conditioned KV
+**Exact means exact.** Every prefill of a prompt's exact part runs in *segments* cut at fixed
+points of the prompt: multiples of ``block_tokens`` tokens and the edges of every image
+(:meth:`Prompt.cuts`), so the same prompt is always computed by the same forward passes, whatever
+was reused. What follows content reused at a moved place or after other antecedents is not exact
+whatever its passes, and is prefilled in one. Conditioned KV
 is stored as the model rotated it (``ChunkKV.placed_at``), never un-rotated and rotated back. An
 exact-prefix hit is cut back to the last segment edge, placed bit for bit, and the rest is
 prefilled segment by segment: the model cache, the logits and the greedy tokens are those of a
@@ -64,6 +66,7 @@ from agent.server.prompt import (
     PromptKeys,
     Record,
     TableRow,
+    between,
     build_prompt,
     ids_upto,
 )
@@ -227,6 +230,7 @@ class PromptCache:
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
+        image_edges = prompt.cuts(None)
         finder = Finder(self.store, self.config.min_reuse_tokens)
         fetched = finder.prefetch(prompt, plan, keys, mode)
         steps, lost = finder.steps(prompt, plan, keys, mode)
@@ -263,7 +267,12 @@ class PromptCache:
                 counts["repaired"] += self._repair(prompt, cache, repair)
                 repair = []
             exact = exact_units == step.start
-            for a, b in keys.segments(step.start, step.end):
+            # segments make a prefill exact; after reused content nothing is, so the rest runs in
+            # as few passes as its images allow (larger matrix products run faster)
+            runs = (
+                keys.segments(step.start, step.end) if exact else between(image_edges, step.start, step.end)
+            )
+            for a, b in runs:
                 (inp,) = prompt.inputs_between(a, b)
                 last = b == len(prompt.units)
                 at = int(prompt.pos_off[a])
@@ -295,7 +304,6 @@ class PromptCache:
         return Prepared(
             cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
         )
-
 
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> int:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
