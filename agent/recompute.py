@@ -79,11 +79,23 @@ Selection = DeviationSelection | FixedSelection
 
 class Recomputed(NamedTuple):
     """k, v: post-RoPE ``[L, H_kv, N, D]`` with the selected tokens' KV recomputed;
-    selected: sorted int64 indices of the tokens recomputed past the selection layer."""
+    selected: sorted int64 indices of the tokens recomputed past the selection layer;
+    residual: see :class:`Repaired`."""
 
     k: torch.Tensor
     v: torch.Tensor
     selected: torch.Tensor
+    residual: float = 0.0
+
+
+class Repaired(NamedTuple):
+    """tokens: how many ran through every layer. residual: the deviation a
+    :class:`DeviationSelection` measured at its layer and left in the candidates it did not
+    recompute, over the energy of their fresh K/V there (squared L2, values or keys and values as
+    it measures): how far from this context the reused KV still is (0 for a fixed selection)."""
+
+    tokens: int
+    residual: float
 
 
 def first_tokens(starts: Sequence[int], lengths: Sequence[int], k: int) -> torch.Tensor:
@@ -98,17 +110,19 @@ def recompute_into(
     inputs: torch.Tensor,
     positions: torch.Tensor,
     selection: Selection,
-) -> int:
+) -> Repaired:
     """Recompute the selected tokens of the context ``cache`` holds, in place.
 
     inputs: int64 token ids ``[N]`` or float input embeddings ``[N, hidden]`` of the context;
     positions: int64 absolute positions ``[N]`` (``[3, N]`` under M-RoPE). At every layer the
     recomputed tokens' KV in ``cache`` is replaced; from the selection layer on, the others'
     is left as it was (the selection layer restores the rows it tried but did not keep).
-    Returns how many tokens ran through every layer. Raises TypeError for a model whose layers
-    cannot run on rows (MLA), ValueError for inputs that disagree with the cache.
+    Returns how many tokens ran through every layer and the deviation left. Raises TypeError
+    for a model whose layers cannot run on rows (MLA), ValueError for inputs that disagree with
+    the cache.
     """
-    return int(_recompute(adapter, cache, inputs, positions, selection).numel())
+    rows, residual = _recompute(adapter, cache, inputs, positions, selection)
+    return Repaired(int(rows.numel()), residual)
 
 
 @torch.inference_mode()
@@ -132,8 +146,8 @@ def selective_recompute(
         raise ValueError(f"inputs [{n}], positions {tuple(positions.shape)} and KV {tuple(k.shape)} disagree")
     device = adapter.device
     k, v = k.to(device, copy=True), v.to(device, copy=True)
-    selected = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
-    return Recomputed(k, v, selected)
+    selected, residual = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
+    return Recomputed(k, v, selected, residual)
 
 
 def _check_family(adapter: ModelAdapter) -> None:
@@ -148,8 +162,9 @@ def _recompute(
     inputs: torch.Tensor,
     positions: torch.Tensor,
     selection: Selection,
-) -> torch.Tensor:
-    """The sorted indices of the tokens recomputed through every layer (on the CPU)."""
+) -> tuple[torch.Tensor, float]:
+    """The sorted indices of the tokens recomputed through every layer (on the CPU), and the
+    deviation left in the others (:class:`Repaired`)."""
     _check_family(adapter)
     n = adapter.cache_length(cache)
     if inputs.shape[0] != n or positions.shape[-1] != n or positions.dim() > 2:
@@ -162,11 +177,11 @@ def _recompute(
     else:
         rows, check = selection.candidates.to(torch.int64).unique(sorted=True), selection.layer
     if rows.numel() == 0:
-        return rows
+        return rows, 0.0
     hidden = _embed_rows(adapter, inputs, rows)
     if check >= n_layers or not isinstance(selection, DeviationSelection):
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers))
-        return rows
+        return rows, 0.0
     if check > 0:
         hidden = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check)).hidden
     # the selection layer: every candidate once, its fresh KV against the reused; the rows not
@@ -177,17 +192,20 @@ def _recompute(
     saved_k, saved_v = k_layer[:, device_rows], v_layer[:, device_rows]  # [H, C, D] copies
     fresh = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, check + 1))
     dev = (fresh.v - saved_v).square().sum(dim=(0, 2))
+    energy = fresh.v.square().sum()
     if selection.deviation == "kv":
         dev = dev + (fresh.k - saved_k).square().sum(dim=(0, 2))
+        energy = energy + fresh.k.square().sum()
     keep = torch.zeros(rows.numel(), dtype=torch.bool)
     keep[torch.topk(dev, selection.count).indices.cpu()] = True
+    residual = float(dev[~keep.to(dev.device)].sum() / energy.clamp_min(1e-30))
     drop = (~keep).to(k_layer.device)
     k_layer.index_copy_(1, device_rows[drop], saved_k[:, drop])
     v_layer.index_copy_(1, device_rows[drop], saved_v[:, drop])
     rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
     if rows.numel():
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers))
-    return rows
+    return rows, residual
 
 
 def _embed_rows(adapter: ModelAdapter, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

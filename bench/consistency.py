@@ -147,6 +147,8 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "requests": sum(x.fallback_tokens > 0 for x in u),
             "tokens": sum(x.fallback_tokens for x in u),
         },
+        # repair's risk check reads this; per request with content hits, in replay order
+        "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens],
     }
 
 
@@ -214,6 +216,7 @@ def replay(
                     f"{policy_name:>20} {m:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
                     f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
                     f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
+                    f" residual {cached.usage.repair_residual:.1e}"
                 )
             if peer is not None:
                 got = peer.request(s.id, step, prompt.units.tolist(), params.max_tokens)
@@ -247,6 +250,12 @@ def parser() -> argparse.ArgumentParser:
         default=PromptCacheConfig.repair_margin,
         help="guard margin on repaired KV (0: no guard, and the guard_curve is reported)",
     )
+    p.add_argument(
+        "--repair-max-residual",
+        type=float,
+        default=PromptCacheConfig.repair_max_residual,
+        help="repair's risk check: deviation left after repair above which a prompt is answered on exact KV",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--store-bytes", type=int, default=4 << 30)
     p.add_argument("--peer", choices=["llama-server"], default=None, help="replay through a peer as well")
@@ -275,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_reuse_tokens=args.min_reuse_tokens,
         repair_ratio=args.repair_ratio,
         repair_margin=args.repair_margin,
+        repair_max_residual=args.repair_max_residual,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
     report: dict[str, Any] = {
@@ -290,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "min_reuse_tokens": config.min_reuse_tokens,
             "repair_ratio": config.repair_ratio,
             "repair_margin": config.repair_margin,
+            "repair_max_residual": config.repair_max_residual,
         },
         "policies": {},
     }

@@ -112,6 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=FidelityConfig.guard_margin,
         help="repair guard margin of the cacheblend-<pct>+guard rows (0: leave them out)",
     )
+    parser.add_argument(
+        "--max-residual",
+        type=float,
+        default=FidelityConfig.max_residual,
+        help="the guard's risk check: deviation left by the repair above which it answers on exact KV",
+    )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-chunks", type=int, default=4, help="chunks per item (0: all)")
     parser.add_argument("--max-chunk-tokens", type=int, default=256)
@@ -135,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cacheblend=_floats(args.cacheblend),
         epic=tuple(int(k) for k in _floats(args.epic)),
         guard_margin=args.guard_margin,
+        max_residual=args.max_residual,
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,

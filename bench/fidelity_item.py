@@ -56,6 +56,7 @@ class FidelityConfig:
     max_new_tokens: int = 16
     system: str = SYSTEM
     guard_margin: float = PromptCacheConfig.repair_margin  # 0 leaves out the guarded rows
+    max_residual: float = PromptCacheConfig.repair_max_residual  # the guard's risk check
 
     def __post_init__(self) -> None:
         bad = [m for m in self.canonical if m not in CANONICAL_MODES]
@@ -67,6 +68,8 @@ class FidelityConfig:
             raise ValueError("cacheblend ratios lie in (0, 100] and epic k is positive")
         if not 0 <= self.guard_margin < float("inf"):
             raise ValueError(f"guard_margin must be a finite number >= 0, got {self.guard_margin}")
+        if not 0 <= self.max_residual <= 1:
+            raise ValueError(f"max_residual must lie in [0, 1], got {self.max_residual}")
 
 
 class Prompt(NamedTuple):
@@ -118,6 +121,7 @@ class MethodRecord:
     apply_ms: float = 0.0
     oracle: bool = False  # built from the served context's own full prefill (bench/methods.py)
     fallback: float = 0.0  # 1 when a guarded answer moved to exact KV (its cost is in recompute)
+    residual: float | None = None  # CacheBlend: the deviation its selection left (agent/recompute.py)
 
 
 class ItemResult(NamedTuple):
@@ -305,17 +309,20 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
             rec = MethodRecord(
                 recompute=int(out.selected.numel()) / max(1, sum(lengths)),
                 apply_ms=1e3 * elapsed / len(lengths),
+                residual=out.residual if isinstance(sel, DeviationSelection) else None,
             )
             recs[name] = score(out.k, out.v, rec)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
-                # what `kamera serve` runs in repair mode: this recompute, then the guard; a
-                # fallback costs the exact prefill of everything after the exact prefix
+                # what `kamera serve` runs in repair mode: this recompute, then the guard (from
+                # the first token when the repair left too much deviation); a fallback costs the
+                # exact prefill of everything after the exact prefix
+                risky = out.residual > config.max_residual
                 tokens, moved = guarded_answer(
                     adapter,
                     (out.k, out.v),
                     (k_ref, v_ref),
                     prompt,
-                    config.guard_margin,
+                    float("inf") if risky else config.guard_margin,
                     config.max_new_tokens,
                 )
                 guarded = replace(

@@ -49,11 +49,17 @@ def aggregate(results: Sequence[ItemResult], mode: str) -> dict[str, dict[str, A
             "bytes_ratio": _mean([rec.bytes_ratio for rec in recs]),
             "recompute": _mean([rec.recompute for rec in recs]),
             "fallback_share": _mean([rec.fallback for rec in recs]),
+            "residual_mean": _mean([rec.residual for rec in recs if rec.residual is not None]),
+            "residual_max": max((rec.residual for rec in recs if rec.residual is not None), default=None),
             "fit_ms": _mean([rec.fit_ms for rec in recs]),
             "apply_ms": apply_ms,
             "apply_vs_prefill": apply_ms / prefill_ms if prefill_ms else None,
             "positions": int(kl.numel()),
             "oracle": recs[0].oracle,
+            # per item, in order: what a guard or its risk check is chosen from (on the dev half)
+            "per_item": [
+                {"agree": rec.agree, "residual": rec.residual, "fallback": rec.fallback} for rec in recs
+            ],
         }
     return out
 

@@ -102,3 +102,27 @@ def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
     assert out.usage.relocated_tokens > 0
     assert out.decoded.escalated_at is None
     assert out.usage.fallback_tokens == 0
+
+
+def test_a_repair_that_leaves_too_much_deviation_is_answered_on_exact_kv(llama: Any) -> None:  # noqa: F811
+    """The risk check: whatever the margins, a prompt whose repair left more deviation than
+    ``repair_max_residual`` moves to exact KV at its first token."""
+    config = dataclasses.replace(CONFIG, repair_margin=1e-12, repair_max_residual=0.0)
+    pc = PromptCache(llama, make_cache(llama).store, config)
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    moved = prompt_of(pc, MOVED)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    out = answer(pc, moved, "", "repair", PARAMS)
+    assert out.usage.repair_residual > 0.0
+    assert out.decoded.escalated_at == 0
+    assert out.usage.fallback_tokens > 0
+    assert out.decoded.tokens == reference
+    # the same prompt under a bound it meets keeps its repaired KV
+    lenient = PromptCache(
+        llama, make_cache(llama).store, dataclasses.replace(config, repair_max_residual=1.0)
+    )
+    lenient.commit(lenient.prepare(prompt_of(lenient, FIRST)))
+    kept = answer(lenient, prompt_of(lenient, MOVED), "", "repair", PARAMS)
+    assert kept.usage.repair_residual == out.usage.repair_residual
+    assert kept.decoded.escalated_at is None
+    assert answer(lenient, prompt_of(lenient, MOVED), "", "exact", PARAMS).usage.repair_residual == 0.0

@@ -108,6 +108,32 @@ def test_rejects_bad_input(llama: ModelAdapter) -> None:
         selective_recompute(mla, ids, torch.arange(ids.numel()), k, v, FixedSelection(torch.arange(2)))
 
 
+def test_the_residual_is_the_deviation_left_unrecomputed(llama: ModelAdapter) -> None:
+    """The selection layer's value deviation left in the candidates not chosen, over their fresh
+    values' energy: against a slow count of the same, falling as more is recomputed, 0 when all
+    is, and 0 on KV that already is the context's (nothing deviates)."""
+    ids, k_ref, v_ref, k, v = _setup(llama)
+    positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
+    # slow reference: layer 1 of every candidate run on the blind KV, deviation per row
+    probe = llama.new_cache([(k.clone(), v.clone())])
+    hidden = llama.run_layers(
+        llama.embed_ids(ids[candidates]), candidates, positions[candidates], probe, range(1)
+    )
+    fresh = llama.run_layers(hidden.hidden, candidates, positions[candidates], probe, range(1, 2))
+    dev = (fresh.v - v[1][:, candidates]).square().sum(dim=(0, 2))
+    residuals = []
+    for ratio in (0.1, 0.5, 1.0):
+        sel = DeviationSelection(ratio, candidates)
+        out = selective_recompute(llama, ids, positions, k, v, sel)
+        left = dev.sort(descending=True).values[sel.count :].sum() / fresh.v.square().sum()
+        assert out.residual == pytest.approx(float(left), rel=1e-4, abs=1e-12)
+        residuals.append(out.residual)
+    assert residuals[0] > residuals[1] > residuals[2] == 0.0
+    exact = selective_recompute(llama, ids, positions, k_ref, v_ref, DeviationSelection(0.1, candidates))
+    assert exact.residual < 1e-10
+    assert selective_recompute(llama, ids, positions, k, v, FixedSelection(candidates)).residual == 0.0
+
+
 def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None:
     """The model cache's own tensors take the recomputed rows (no copy of the context): the same
     result as on buffers, the same storage before and after, and the tokens not chosen untouched."""
@@ -118,7 +144,8 @@ def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None
     cache = llama.new_cache([(k.clone(), v.clone())])
     layers = range(llama.info.n_layers)
     before = [llama.layer_kv(cache, i)[0].data_ptr() for i in layers]
-    assert recompute_into(llama, cache, ids, positions, sel) == want.selected.numel()
+    done = recompute_into(llama, cache, ids, positions, sel)
+    assert (done.tokens, done.residual) == (want.selected.numel(), want.residual)
     assert [llama.layer_kv(cache, i)[0].data_ptr() for i in layers] == before
     got_k = torch.stack([llama.layer_kv(cache, i)[0] for i in layers])
     got_v = torch.stack([llama.layer_kv(cache, i)[1] for i in layers])

@@ -7,7 +7,11 @@ so the first greedy step whose best two logits lie closer than ``repair_margin``
 onto the prompt prepared in ``exact`` mode (its exact prefix still reused bit for bit, the rest
 prefilled), where the tokens so far are replayed and checked. What is committed is then that
 exact KV, not the repaired one. A prompt whose every step is a clear call keeps the repaired
-KV's speed; one with a close call pays an exact prefill of its reused part, once.
+KV's speed; one with a close call pays an exact prefill of its reused part, once. A prompt whose
+reused pieces are still far from the new context after repair (the deviation its selection left,
+``PromptUsage.repair_residual``, above ``repair_max_residual``: pieces that bind to new or
+reordered neighbours) is answered on the exact KV from its first token: a guard on margins alone
+cannot catch an error that large.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ class Answer(NamedTuple):
 
 
 class _ToExact:
-    """The guard of one repaired prompt: builds its exact cache when first asked."""
+    """The guard of one repaired prompt: builds its exact cache when first asked. A prompt still
+    far from its context after repair (``repair_max_residual``) gets an infinite margin: its first
+    step already moves to the exact KV."""
 
-    def __init__(self, pc: PromptCache, prompt: Prompt, tenant_salt: str) -> None:
+    def __init__(self, pc: PromptCache, prompt: Prompt, tenant_salt: str, risky: bool) -> None:
         self.pc, self.prompt, self.tenant_salt = pc, prompt, tenant_salt
-        self.margin = pc.config.repair_margin
+        self.margin = float("inf") if risky else pc.config.repair_margin
         self.prepared: Prepared | None = None
 
     def exact(self) -> tuple[Any, torch.Tensor, int]:
@@ -60,8 +66,9 @@ def answer(
         on_start()
     usage = prepared.usage
     guard = None
-    if usage.mode == "repair" and usage.relocated_tokens and pc.config.repair_margin > 0:
-        guard = _ToExact(pc, prompt, tenant_salt)
+    risky = usage.repair_residual > pc.config.repair_max_residual
+    if usage.mode == "repair" and usage.relocated_tokens and (pc.config.repair_margin > 0 or risky):
+        guard = _ToExact(pc, prompt, tenant_salt, risky)
     final = prepared
     try:
         decoded = decode(

@@ -65,6 +65,13 @@ def parser() -> argparse.ArgumentParser:
         help="repair's guard: a greedy step on repaired KV whose best two logits lie closer than this "
         "moves decoding to exact KV (0: no guard)",
     )
+    store.add_argument(
+        "--repair-max-residual",
+        type=float,
+        default=float(_env("repair_max_residual", "1.0")),
+        help="repair's risk check: a prompt whose reused pieces stay further than this from the new "
+        "context after repair (layer-1 deviation left, relative) is answered on exact KV (1: never)",
+    )
     shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
     shared.add_argument(
         "--redis-url",
@@ -163,7 +170,11 @@ def build_config(args: argparse.Namespace) -> Any:
             redis=redis,
             write_through=args.disk_path is not None,  # in the background; a restart finds every chunk
         ),
-        prompt_cache=PromptCacheConfig(mode=args.reuse_mode, repair_margin=args.repair_margin),
+        prompt_cache=PromptCacheConfig(
+            mode=args.reuse_mode,
+            repair_margin=args.repair_margin,
+            repair_max_residual=args.repair_max_residual,
+        ),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,
             fetch=FetchConfig(enabled=bool(hosts), allowed_hosts=hosts),

@@ -60,6 +60,7 @@ import torch
 
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import encoder_calls
+from agent.recompute import DeviationSelection, Repaired, recompute_into
 from agent.server.prompt import (
     NoImagesError,
     Prompt,
@@ -105,7 +106,9 @@ class PromptCacheConfig:
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
     than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
     greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
-    exact KV (``answer.py``; 0: never)."""
+    exact KV (``answer.py``; 0: never). repair_max_residual: a repaired prompt whose pieces are
+    still further than this from the new context after repair (``PromptUsage.repair_residual``) is
+    answered on the exact KV from its first token, whatever the margins (1: never)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -117,6 +120,7 @@ class PromptCacheConfig:
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
     repair_margin: float = 0.5
+    repair_max_residual: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -130,6 +134,8 @@ class PromptCacheConfig:
             raise ValueError(f"repair_ratio must lie in [0, 1], got {self.repair_ratio}")
         if not 0.0 <= self.repair_margin < float("inf"):
             raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
+        if not 0.0 <= self.repair_max_residual <= 1.0:
+            raise ValueError(f"repair_max_residual must lie in [0, 1], got {self.repair_max_residual}")
 
 
 def check_mode(mode: str) -> ReuseMode:
@@ -150,6 +156,9 @@ class PromptUsage(NamedTuple):
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
     fallback_tokens: int = 0  # prefilled again when a too-close call moved decoding to exact KV
+    # the deviation from this context that repair measured and left unrecomputed, the largest
+    # over its runs (``agent.recompute.Repaired.residual``): what its risk check reads
+    repair_residual: float = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -242,6 +251,7 @@ class PromptCache:
         cache: Any = None
         logits: torch.Tensor | None = None
         exact_units = 0
+        residual = 0.0
         for step in steps:
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
             if step.parts:
@@ -264,7 +274,9 @@ class PromptCache:
                 continue
             cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
-                counts["repaired"] += self._repair(prompt, cache, repair)
+                done = self._repair(prompt, cache, repair)
+                counts["repaired"] += done.tokens
+                residual = max(residual, done.residual)
                 repair = []
             exact = exact_units == step.start
             # segments make a prefill exact; after reused content nothing is, so the rest runs in
@@ -300,22 +312,21 @@ class PromptCache:
             mode=mode,
             repaired_tokens=counts["repaired"],
             shared_tokens=counts["shared"],
+            repair_residual=residual,
         )
-        return Prepared(
-            cache, logits, int(prompt.pos_off[-1]), usage, prompt, plan, planner, rows, exact_units
-        )
+        position = int(prompt.pos_off[-1])
+        return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
-    def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> int:
+    def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> Repaired:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
-        Returns the tokens recomputed; 0 where the adapter cannot (images, MLA)."""
-        from agent.recompute import DeviationSelection, recompute_into
-
+        Returns the tokens recomputed and the deviation left; nothing where the adapter cannot
+        (images, MLA)."""
         ratio = self.config.repair_ratio
         if ratio <= 0 or not self.adapter.supports_recompute:
-            return 0
+            return Repaired(0, 0.0)
         if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
-            return 0
+            return Repaired(0, 0.0)
         n = self.adapter.cache_length(cache)
         ids = ids_upto(prompt, n)
         candidates = torch.cat(
