@@ -147,7 +147,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "requests": sum(x.fallback_tokens > 0 for x in u),
             "tokens": sum(x.fallback_tokens for x in u),
         },
-        # repair's risk check reads this; per request with content hits, in replay order
+        # what the guard's margin grows with; per request with content hits, in replay order
         "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens],
     }
 
@@ -251,10 +251,10 @@ def parser() -> argparse.ArgumentParser:
         help="guard margin on repaired KV (0: no guard, and the guard_curve is reported)",
     )
     p.add_argument(
-        "--repair-max-residual",
+        "--repair-residual-unit",
         type=float,
-        default=PromptCacheConfig.repair_max_residual,
-        help="repair's risk check: deviation left after repair above which a prompt is answered on exact KV",
+        default=PromptCacheConfig.repair_residual_unit,
+        help="the deviation left by repair beyond which the guard's margin grows (0: never)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--store-bytes", type=int, default=4 << 30)
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_reuse_tokens=args.min_reuse_tokens,
         repair_ratio=args.repair_ratio,
         repair_margin=args.repair_margin,
-        repair_max_residual=args.repair_max_residual,
+        repair_residual_unit=args.repair_residual_unit,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
     report: dict[str, Any] = {
@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "min_reuse_tokens": config.min_reuse_tokens,
             "repair_ratio": config.repair_ratio,
             "repair_margin": config.repair_margin,
-            "repair_max_residual": config.repair_max_residual,
+            "repair_residual_unit": config.repair_residual_unit,
         },
         "policies": {},
     }

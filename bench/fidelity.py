@@ -22,7 +22,8 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
   recompute, then greedy decoding under the repair guard (``--guard-margin``, the server's
   default): at the first step whose best two logits lie closer than the margin, decoding moves to
   the context's exact KV (a fresh prefill of every chunk after the first), whose cost joins the
-  row's ``recompute`` (``fallback``: the share of items that took it).
+  row's ``recompute`` (``fallback``: the share of items that took it). The margin grows with the
+  deviation the recompute left (``--residual-unit``), as the server's does.
 
 Canonical KV (``--canonical``): ``alone`` encodes a chunk on its own at position 0;
 ``after-prefix`` encodes it right after the pinned prefix (the attention sink), then removes
@@ -113,10 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="repair guard margin of the cacheblend-<pct>+guard rows (0: leave them out)",
     )
     parser.add_argument(
-        "--max-residual",
+        "--residual-unit",
         type=float,
-        default=FidelityConfig.max_residual,
-        help="the guard's risk check: deviation left by the repair above which it answers on exact KV",
+        default=FidelityConfig.residual_unit,
+        help="the deviation left by repair beyond which the guard's margin grows (0: never)",
     )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-chunks", type=int, default=4, help="chunks per item (0: all)")
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cacheblend=_floats(args.cacheblend),
         epic=tuple(int(k) for k in _floats(args.epic)),
         guard_margin=args.guard_margin,
-        max_residual=args.max_residual,
+        residual_unit=args.residual_unit,
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,

@@ -15,6 +15,7 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.recompute import DeviationSelection, selective_recompute
+from agent.server.answer import guard_margin
 from agent.server.generation import SamplingParams, decode
 from agent.server.prompt_cache import PromptCacheConfig
 from bench.answers import Codec, exact_match, token_f1
@@ -56,7 +57,7 @@ class FidelityConfig:
     max_new_tokens: int = 16
     system: str = SYSTEM
     guard_margin: float = PromptCacheConfig.repair_margin  # 0 leaves out the guarded rows
-    max_residual: float = PromptCacheConfig.repair_max_residual  # the guard's risk check
+    residual_unit: float = PromptCacheConfig.repair_residual_unit  # the margin grows beyond it
 
     def __post_init__(self) -> None:
         bad = [m for m in self.canonical if m not in CANONICAL_MODES]
@@ -68,8 +69,8 @@ class FidelityConfig:
             raise ValueError("cacheblend ratios lie in (0, 100] and epic k is positive")
         if not 0 <= self.guard_margin < float("inf"):
             raise ValueError(f"guard_margin must be a finite number >= 0, got {self.guard_margin}")
-        if not 0 <= self.max_residual <= 1:
-            raise ValueError(f"max_residual must lie in [0, 1], got {self.max_residual}")
+        if not 0 <= self.residual_unit < float("inf"):
+            raise ValueError(f"residual_unit must be a finite number >= 0, got {self.residual_unit}")
 
 
 class Prompt(NamedTuple):
@@ -313,17 +314,12 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
             )
             recs[name] = score(out.k, out.v, rec)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
-                # what `kamera serve` runs in repair mode: this recompute, then the guard (from
-                # the first token when the repair left too much deviation); a fallback costs the
-                # exact prefill of everything after the exact prefix
-                risky = out.residual > config.max_residual
+                # what `kamera serve` runs in repair mode: this recompute, then the guard (its
+                # margin grown with the deviation left); a fallback costs the exact prefill of
+                # everything after the exact prefix
+                margin = guard_margin(config.guard_margin, out.residual, config.residual_unit)
                 tokens, moved = guarded_answer(
-                    adapter,
-                    (out.k, out.v),
-                    (k_ref, v_ref),
-                    prompt,
-                    float("inf") if risky else config.guard_margin,
-                    config.max_new_tokens,
+                    adapter, (out.k, out.v), (k_ref, v_ref), prompt, margin, config.max_new_tokens
                 )
                 guarded = replace(
                     rec, recompute=rec.recompute + (later if moved else 0.0), fallback=float(moved)

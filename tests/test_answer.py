@@ -7,7 +7,9 @@ import dataclasses
 import threading
 from typing import Any
 
-from agent.server.answer import answer
+import pytest
+
+from agent.server.answer import answer, guard_margin
 from agent.server.generation import SamplingParams, decode
 from agent.server.prompt_cache import PromptCache
 from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
@@ -104,10 +106,15 @@ def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
     assert out.usage.fallback_tokens == 0
 
 
-def test_a_repair_that_leaves_too_much_deviation_is_answered_on_exact_kv(llama: Any) -> None:  # noqa: F811
-    """The risk check: whatever the margins, a prompt whose repair left more deviation than
-    ``repair_max_residual`` moves to exact KV at its first token."""
-    config = dataclasses.replace(CONFIG, repair_margin=1e-12, repair_max_residual=0.0)
+def test_the_guard_margin_grows_with_the_deviation_repair_left(llama: Any) -> None:  # noqa: F811
+    """Up to the unit the margin is as set; beyond it, it grows with the square root of the
+    residual. A repair that left more than a tiny unit allows is answered on exact KV at a close
+    call the fixed margin would have let through."""
+    assert guard_margin(0.5, 0.0, 1e-4) == 0.5
+    assert guard_margin(0.5, 1e-4, 1e-4) == 0.5
+    assert guard_margin(0.5, 4e-4, 1e-4) == pytest.approx(1.0)
+    assert guard_margin(0.5, 1.0, 0.0) == 0.5
+    config = dataclasses.replace(CONFIG, repair_margin=1e-9, repair_residual_unit=1e-30)
     pc = PromptCache(llama, make_cache(llama).store, config)
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
     moved = prompt_of(pc, MOVED)
@@ -117,12 +124,10 @@ def test_a_repair_that_leaves_too_much_deviation_is_answered_on_exact_kv(llama: 
     assert out.decoded.escalated_at == 0
     assert out.usage.fallback_tokens > 0
     assert out.decoded.tokens == reference
-    # the same prompt under a bound it meets keeps its repaired KV
-    lenient = PromptCache(
-        llama, make_cache(llama).store, dataclasses.replace(config, repair_max_residual=1.0)
-    )
-    lenient.commit(lenient.prepare(prompt_of(lenient, FIRST)))
-    kept = answer(lenient, prompt_of(lenient, MOVED), "", "repair", PARAMS)
+    # the same prompt with the margin as set keeps its repaired KV
+    fixed = PromptCache(llama, make_cache(llama).store, dataclasses.replace(config, repair_residual_unit=0.0))
+    fixed.commit(fixed.prepare(prompt_of(fixed, FIRST)))
+    kept = answer(fixed, prompt_of(fixed, MOVED), "", "repair", PARAMS)
     assert kept.usage.repair_residual == out.usage.repair_residual
     assert kept.decoded.escalated_at is None
-    assert answer(lenient, prompt_of(lenient, MOVED), "", "exact", PARAMS).usage.repair_residual == 0.0
+    assert answer(fixed, prompt_of(fixed, MOVED), "", "exact", PARAMS).usage.repair_residual == 0.0

@@ -7,15 +7,15 @@ so the first greedy step whose best two logits lie closer than ``repair_margin``
 onto the prompt prepared in ``exact`` mode (its exact prefix still reused bit for bit, the rest
 prefilled), where the tokens so far are replayed and checked. What is committed is then that
 exact KV, not the repaired one. A prompt whose every step is a clear call keeps the repaired
-KV's speed; one with a close call pays an exact prefill of its reused part, once. A prompt whose
-reused pieces are still far from the new context after repair (the deviation its selection left,
-``PromptUsage.repair_residual``, above ``repair_max_residual``: pieces that bind to new or
-reordered neighbours) is answered on the exact KV from its first token: a guard on margins alone
-cannot catch an error that large.
+KV's speed; one with a close call pays an exact prefill of its reused part, once. How close is
+too close grows with how far the repaired pieces still are from the new context (the deviation
+the repair left, ``PromptUsage.repair_residual``, beyond ``repair_residual_unit``): pieces that
+bind to new or reordered neighbours keep larger errors, which a fixed margin lets through.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,18 +35,24 @@ class Answer(NamedTuple):
 
 
 class _ToExact:
-    """The guard of one repaired prompt: builds its exact cache when first asked. A prompt still
-    far from its context after repair (``repair_max_residual``) gets an infinite margin: its first
-    step already moves to the exact KV."""
+    """The guard of one repaired prompt: builds its exact cache when first asked."""
 
-    def __init__(self, pc: PromptCache, prompt: Prompt, tenant_salt: str, risky: bool) -> None:
-        self.pc, self.prompt, self.tenant_salt = pc, prompt, tenant_salt
-        self.margin = float("inf") if risky else pc.config.repair_margin
+    def __init__(self, pc: PromptCache, prompt: Prompt, tenant_salt: str, margin: float) -> None:
+        self.pc, self.prompt, self.tenant_salt, self.margin = pc, prompt, tenant_salt, margin
         self.prepared: Prepared | None = None
 
     def exact(self) -> tuple[Any, torch.Tensor, int]:
         self.prepared = self.pc.prepare(self.prompt, self.tenant_salt, "exact")
         return self.prepared.cache, self.prepared.logits, self.prepared.position
+
+
+def guard_margin(margin: float, residual: float, unit: float) -> float:
+    """The guard's margin for repaired KV that is still ``residual`` from its context: ``margin``
+    up to ``unit``, then grown by ``sqrt(residual / unit)`` (the residual is an energy ratio; the
+    logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
+    if unit <= 0 or residual <= unit:
+        return margin
+    return margin * math.sqrt(residual / unit)
 
 
 def answer(
@@ -66,9 +72,10 @@ def answer(
         on_start()
     usage = prepared.usage
     guard = None
-    risky = usage.repair_residual > pc.config.repair_max_residual
-    if usage.mode == "repair" and usage.relocated_tokens and (pc.config.repair_margin > 0 or risky):
-        guard = _ToExact(pc, prompt, tenant_salt, risky)
+    cfg = pc.config
+    if usage.mode == "repair" and usage.relocated_tokens and cfg.repair_margin > 0:
+        margin = guard_margin(cfg.repair_margin, usage.repair_residual, cfg.repair_residual_unit)
+        guard = _ToExact(pc, prompt, tenant_salt, margin)
     final = prepared
     try:
         decoded = decode(

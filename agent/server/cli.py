@@ -66,11 +66,11 @@ def parser() -> argparse.ArgumentParser:
         "moves decoding to exact KV (0: no guard)",
     )
     store.add_argument(
-        "--repair-max-residual",
+        "--repair-residual-unit",
         type=float,
-        default=float(_env("repair_max_residual", "1.0")),
-        help="repair's risk check: a prompt whose reused pieces stay further than this from the new "
-        "context after repair (layer-1 deviation left, relative) is answered on exact KV (1: never)",
+        default=float(_env("repair_residual_unit", "1e-4")),
+        help="repair's guard: the deviation a repair may leave (relative, at layer 1) with the margin "
+        "as set; beyond it the margin grows with its square root (0: never grows)",
     )
     shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
     shared.add_argument(
@@ -173,7 +173,7 @@ def build_config(args: argparse.Namespace) -> Any:
         prompt_cache=PromptCacheConfig(
             mode=args.reuse_mode,
             repair_margin=args.repair_margin,
-            repair_max_residual=args.repair_max_residual,
+            repair_residual_unit=args.repair_residual_unit,
         ),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,

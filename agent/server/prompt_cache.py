@@ -106,9 +106,10 @@ class PromptCacheConfig:
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
     than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
     greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
-    exact KV (``answer.py``; 0: never). repair_max_residual: a repaired prompt whose pieces are
-    still further than this from the new context after repair (``PromptUsage.repair_residual``) is
-    answered on the exact KV from its first token, whatever the margins (1: never)."""
+    exact KV (``answer.py``; 0: never). repair_residual_unit: the deviation a repair may leave
+    (``PromptUsage.repair_residual``) with that margin as set; beyond it the margin grows with the
+    square root of the excess (the error's amplitude), so pieces that bind to new or reordered
+    neighbours need clearer calls to keep their repaired KV (0: the margin never grows)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -120,7 +121,7 @@ class PromptCacheConfig:
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
     repair_margin: float = 0.5
-    repair_max_residual: float = 1.0
+    repair_residual_unit: float = 1e-4
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -134,8 +135,10 @@ class PromptCacheConfig:
             raise ValueError(f"repair_ratio must lie in [0, 1], got {self.repair_ratio}")
         if not 0.0 <= self.repair_margin < float("inf"):
             raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
-        if not 0.0 <= self.repair_max_residual <= 1.0:
-            raise ValueError(f"repair_max_residual must lie in [0, 1], got {self.repair_max_residual}")
+        if not 0.0 <= self.repair_residual_unit < float("inf"):
+            raise ValueError(
+                f"repair_residual_unit must be a finite number >= 0, got {self.repair_residual_unit}"
+            )
 
 
 def check_mode(mode: str) -> ReuseMode:
@@ -157,7 +160,7 @@ class PromptUsage(NamedTuple):
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
     fallback_tokens: int = 0  # prefilled again when a too-close call moved decoding to exact KV
     # the deviation from this context that repair measured and left unrecomputed, the largest
-    # over its runs (``agent.recompute.Repaired.residual``): what its risk check reads
+    # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin grows with
     repair_residual: float = 0.0
 
     @property
