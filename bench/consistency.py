@@ -15,7 +15,9 @@ commits: a full prefill). Per policy and mode:
 - ``first_token_agreement``; ``kl_mean`` / ``kl_max``: KL(full || cached) of the first token;
 - ``shares`` of prompt tokens: ``exact`` (the exact prefix, bit for bit), ``content`` (reused by
   content at a moved position or after other antecedents), ``repair_recomputed`` (of those, the
-  tokens repair ran through every layer again), ``cached`` (exact + content), ``recomputed``;
+  tokens repair ran through every layer again), ``cached`` (exact + content), ``recomputed``,
+  ``seen_before`` (prompt tokens outside the messages new to the session, none on its first
+  request: the most any cache could reuse on this traffic);
 - ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
   hits, measured side by side (median and mean), in the same process and thread count;
 - ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
@@ -75,6 +77,20 @@ class Row(NamedTuple):
     prompt_tokens: int
     cached: Outcome
     reference: Outcome
+    seen_tokens: int = 0  # prompt tokens outside messages new to the session (0 on its first request)
+
+
+def seen_tokens(tokenizer: Any, prompt_tokens: int, messages: Sequence[Message], seen: set[Any]) -> int:
+    """The most any cache could reuse of this request: its prompt tokens outside the messages
+    whose text no earlier request of the session held (template tokens included; none on the
+    session's first request). ``seen`` takes this request's messages."""
+    texts = [(m.role, "".join(p for p in m.parts if isinstance(p, str))) for m in messages]
+    first = not seen
+    new = sum(
+        len(tokenizer(t, add_special_tokens=False)["input_ids"]) for r, t in texts if (r, t) not in seen
+    )
+    seen.update(texts)
+    return 0 if first else max(0, prompt_tokens - new)
 
 
 def to_messages(request: Sequence[dict[str, Any]]) -> list[Message]:
@@ -140,6 +156,8 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "repair_recomputed": round(repaired / total, 4),
             "cached": round((exact + content) / total, 4),
             "recomputed": round(sum(x.prefilled_tokens for x in u) / total, 4),
+            # the ceiling: prompt tokens outside messages new to the session
+            "seen_before": round(sum(r.seen_tokens for r in rows) / total, 4),
         },
         **ttft_fields(hit),
         "lost_entries": sum(x.lost_entries for x in u),
@@ -200,18 +218,21 @@ def replay(
     rows: dict[str, list[Row]] = {m: [] for m in modes}
     peer_rows: list[Any] = []
     for s in sessions:
+        seen: set[tuple[str, str]] = set()
         for step, request in enumerate(s.requests[:max_requests]):
-            pieces = render(adapter.tokenizer, to_messages(policy(request, step)))
+            messages = to_messages(policy(request, step))
+            pieces = render(adapter.tokenizer, messages)
             prompt = build_prompt(adapter, pieces, reference.image_unit)
             if prompt.n_tokens > max_prompt_tokens:
                 continue
+            n_seen = seen_tokens(adapter.tokenizer, prompt.n_tokens, messages, seen)
             if modes:
                 ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
                 reference.reset()  # never reused: every reference is a full prefill
             for m in modes:
                 pc = caches[m]
                 cached = run(pc, build_prompt(adapter, pieces, pc.image_unit), s.id, m, params)
-                rows[m].append(Row(s.id, step, prompt.n_tokens, cached, ref))
+                rows[m].append(Row(s.id, step, prompt.n_tokens, cached, ref, n_seen))
                 log(
                     f"{policy_name:>20} {m:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
                     f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
@@ -396,6 +417,7 @@ def print_table(report: dict[str, Any]) -> None:
         "exact",
         "content",
         "repair",
+        "seen before",
         "TTFT x",
     ):
         t.add_column(col, justify="right")
@@ -413,6 +435,7 @@ def print_table(report: dict[str, Any]) -> None:
                 str(sh["exact"]),  # None on the peer's rows: llama.cpp does not tell the two apart
                 str(sh["content"]),
                 str(sh["repair_recomputed"]),
+                str(sh.get("seen_before")),  # not on the peer's rows
                 str(r["ttft_ratio_median"]),
             )
     Console(width=200).print(t)

@@ -142,6 +142,7 @@ def test_image_data_url_runs_encoder_once(client: Any) -> None:
     third = client.chat.completions.create(model="x", messages=moved, max_tokens=3, temperature=0)
     assert kamera(third)["vision_encoder_calls"] == 0
     assert kamera(third)["reuse_mode"] == "repair"
+    assert kamera(third)["repair_residual"] == 0.0  # nothing was left to repair
 
 
 def test_streaming_with_openai_client_and_httpx(base_url: str, client: Any) -> None:
@@ -325,6 +326,7 @@ def test_metrics_are_counters(base_url: str) -> None:
         'kamera_store_misses_total{tier="host"}',
         'kamera_store_bytes_written_total{tier="host"}',
         "kamera_time_to_first_token_seconds_bucket",
+        "kamera_repair_residual_bucket",
     ):
         assert name in text, name
     assert "ratio" not in text

@@ -19,6 +19,7 @@ from agent.adapters.vision import encoder_calls
 from agent.server.runtime import Runtime
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RESIDUAL_BUCKETS = (1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 1e-1)
 STORE_COUNTERS = (
     "hits",
     "misses",
@@ -161,6 +162,13 @@ class Metrics:
             "From request arrival to the first generated token",
             ["endpoint"],
             buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.repair_residual = Histogram(
+            "kamera_repair_residual",
+            "Deviation from the new context left in reused pieces after repair (relative, layer 1); "
+            "the guard's margin grows with it beyond --repair-residual-unit",
+            buckets=RESIDUAL_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(

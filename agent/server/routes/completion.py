@@ -155,6 +155,8 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
     metrics.rotated_tokens.labels("chat").inc(u.rotated_tokens)
     metrics.lost_entries.inc(u.lost_entries)
     metrics.tier_tokens.labels("redis").inc(u.shared_tokens)
+    if u.repaired_tokens:
+        metrics.repair_residual.observe(u.repair_residual)
     metrics.queue_wait.observe(started - arrival)
     metrics.ttft.labels("chat").observe(started - arrival + outcome.ttft_s)
     return S.CacheReport(
@@ -168,6 +170,7 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
         vision_encoder_calls=u.vision_encoder_calls,
         shared_tokens=u.shared_tokens,
         fallback_tokens=u.fallback_tokens,
+        repair_residual=u.repair_residual,
         queue_ms=round(1000 * (started - arrival), 3),
         ttft_ms=round(1000 * outcome.ttft_s, 3),
         total_ms=round(1000 * outcome.total_s, 3),
