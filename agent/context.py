@@ -149,13 +149,32 @@ class ContextManager:
         self.adopt(chunk, out.kv, cache, meta)
         return out
 
-    @torch.inference_mode()
     def append_many(
         self, chunks: Sequence[ChunkInput], metas: Sequence[dict[str, Any] | None] | None = None
     ) -> list[str]:
         """Prefill several chunks at the end of the window, as many per forward pass as the
         budget allows (sliding first to make room); each one's KV is exact in context, as if
         appended one by one. Returns their chunk ids, in order."""
+        return self._append(chunks, metas, None)[0]
+
+    def append_and_ask(
+        self, chunks: Sequence[ChunkInput], metas: Sequence[dict[str, Any] | None], prompt: ChunkInput
+    ) -> tuple[list[str], torch.Tensor]:
+        """:meth:`append_many`, with ``prompt`` run after the new chunks in their last forward
+        pass: their ids and the prompt's last logits. The prompt's KV follows the window in the
+        live cache, not a chunk of it (as ``adapter.next_logits`` leaves it)."""
+        ids, logits = self._append(chunks, metas, prompt)
+        if logits is None:  # the prompt did not run, or the live cache it ran on was dropped
+            logits = self.adapter.next_logits(prompt, self.cache(), self.next_start)
+        return ids, logits
+
+    @torch.inference_mode()
+    def _append(
+        self,
+        chunks: Sequence[ChunkInput],
+        metas: Sequence[dict[str, Any] | None] | None,
+        prompt: ChunkInput | None,
+    ) -> tuple[list[str], torch.Tensor | None]:
         metas = list(metas) if metas is not None else [None] * len(chunks)
         if len(metas) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(metas)} metadata entries")
@@ -166,6 +185,7 @@ class ContextManager:
                     f"a {chunk.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
                 )
         out: list[str] = []
+        cache, logits = None, None
         i = 0
         while i < len(chunks):
             j, tokens = i, 0
@@ -175,14 +195,17 @@ class ContextManager:
             group = chunks[i:j]
             self._make_room(tokens)
             cache = self.cache()
-            kvs = self.adapter.prefill_many(group, cache, self.next_start)
+            if prompt is not None and j == len(chunks):
+                kvs, logits = self.adapter.prefill_and_ask(group, prompt, cache, self.next_start)
+            else:
+                kvs = self.adapter.prefill_many(group, cache, self.next_start)
             self.counters.tokens_prefilled += tokens
             out += [
                 self.adopt(chunk, kv, cache, meta)
                 for chunk, kv, meta in zip(group, kvs, metas[i:j], strict=True)
             ]
             i = j
-        return out
+        return out, logits if cache is not None and self._cache is cache else None
 
     @torch.inference_mode()
     def adopt(self, chunk: ChunkInput, kv: ChunkKV, cache: Any, meta: dict[str, Any] | None = None) -> str:

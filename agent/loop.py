@@ -203,31 +203,42 @@ class Agent:
         instruction: str,
         max_new_tokens: int | None = None,
         keep_turn: bool = True,
+        chunks: Sequence[tuple[ChunkInput, dict[str, Any]]] = (),
     ) -> StepResult:
         """Append the observations, answer ``instruction`` on the window and (``keep_turn``) keep
         the instruction and its answer in the window as one ``turn`` chunk. ``keep_turn=False``
         answers on the window alone and leaves it as it was: for questions that are each asked
-        of what the window holds (a video's frames), not of the conversation before them."""
+        of what the window holds (a video's frames), not of the conversation before them.
+        ``chunks``: chunks made by the caller (with their metadata), appended before the
+        observations'."""
         t0 = time.perf_counter()
         cm, c = self.context, self.context.counters
         before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
         evicted_before = set(cm.evicted)
         reused = cm.tokens
-        pieces = [piece for obs in observations for piece in self.chunks(obs)]
-        # every new chunk of the step in as few forward passes as the budget allows
-        ids = cm.append_many([chunk for chunk, _ in pieces], [meta for _, meta in pieces])
+        pieces = [*chunks, *(piece for obs in observations for piece in self.chunks(obs))]
+        new, metas = [chunk for chunk, _ in pieces], [meta for _, meta in pieces]
         prompt = self._text(self.chat.instruction(instruction))
         reuse = cm.config.reuse
-        # a window that holds what a fresh prefill computes needs neither a fresh prefill nor a guard
-        exact = cm.exact
-        cache, start = cm.fresh_cache() if reuse == "exact" and not exact else (cm.cache(), cm.next_start)
+        # every new chunk of the step in as few forward passes as the budget allows, the
+        # instruction in the last of them; except in exact mode, where a window that is not what a
+        # fresh prefill computes is prefilled afresh (and one that is needs no guard)
+        if reuse == "exact":
+            ids = cm.append_many(new, metas)
+            exact = cm.exact
+            cache, start = (cm.cache(), cm.next_start) if exact else cm.fresh_cache()
+            first = self.adapter.next_logits(prompt, cache, start)
+        else:
+            ids, first = cm.append_and_ask(new, metas, prompt)
+            exact = cm.exact
+            cache, start = cm.cache(), cm.next_start
         budget = max_new_tokens or self.max_new_tokens
         guarded = reuse == "repair" and cm.config.repair_margin > 0 and not exact
         guard = _FreshWindow(cm, prompt) if guarded else None
         _, extent = self.adapter.chunk_positions(prompt)
         decoded = decode(
             self.adapter,
-            self.adapter.next_logits(prompt, cache, start),
+            first,
             cache,
             start + extent,
             SamplingParams(max_tokens=budget),

@@ -94,8 +94,8 @@ class VideoSession:
         # frames enter only when asked for, and when reuse must be exact; in repair mode on the
         # labelled layout too, where a frame's KV depends on the label in front of it and moving
         # labels by rotation changes answers (docs/video_qa.md)
-        self.exact_window = self.lazy or args.reuse_mode == "exact" or (
-            self.labelled and args.reuse_mode == "repair"
+        self.exact_window = (
+            self.lazy or args.reuse_mode == "exact" or (self.labelled and args.reuse_mode == "repair")
         )
         self.frames: list[FrameRecord] = []
         self.inputs: dict[str, ChunkInput] = {}  # frames and labels by chunk id
@@ -213,18 +213,21 @@ class VideoSession:
             k, used = k + 1, used + cost
         picked = self.retrieval.select(candidates, k, self.question_embedding(q.question))
         chosen = [candidates[i] for i in picked]
+        rest: list[tuple[ChunkInput, dict[str, Any]]] = []  # prefilled with the question
         if self.exact_window:
-            q.exact_chunks = self._place_exact(chosen)
+            q.exact_chunks, rest = self._place_exact(chosen)
         else:
             q.recalled_times = self._bring_in(chosen)
             if self.labelled:
                 self._relabel(chosen)
+        prepare_ms = 1000 * (time.perf_counter() - t0)
+        # each question is asked of its frames alone, as re-encoding asks it: no earlier turns
+        result = self.agent.step([], q.question, keep_turn=False, chunks=rest)
+        for cid, (chunk, _) in zip(result.chunk_ids, rest, strict=True):
+            self.inputs[cid] = chunk
         window = self.cm.view()[1:]
         q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
         q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
-        prepare_ms = 1000 * (time.perf_counter() - t0)
-        # each question is asked of its frames alone, as re-encoding asks it: no earlier turns
-        result = self.agent.step([], q.question, keep_turn=False)
         q.answer = result.output.strip()
         q.ttft_ms = prepare_ms + result.report.ttft_ms
         q.answer_ms = prepare_ms + result.report.total_ms
@@ -241,15 +244,17 @@ class VideoSession:
         features = self.adapter.image_features(self.frame_input(frame))  # type: ignore[attr-defined]
         return replace(frame, embedding=features.float().mean(0))
 
-    def _place_exact(self, chosen: Sequence[FrameRecord]) -> int:
-        """Make the window what a fresh prefill of the question's window holds: the chosen frames
-        in time order (each after its ``frame k`` label in the labelled layout).
+    def _place_exact(
+        self, chosen: Sequence[FrameRecord]
+    ) -> tuple[int, list[tuple[ChunkInput, dict[str, Any]]]]:
+        """Make the window the start of what a fresh prefill of the question's window holds: the
+        chosen frames in time order (each after its ``frame k`` label in the labelled layout).
 
         The longest leading run of the window that already holds those chunks, each computed
         after exactly the chunks in front of it (``ContextManager.exact_run``), stays as it is;
-        everything after it slides out, and the rest is prefilled in context in one pass. A frame
-        seen before runs no vision encoder (its features are kept by content). Returns the number
-        of chunks reused."""
+        everything after it slides out. Returns the number of chunks kept and the rest, to be
+        prefilled in context with the question in one pass (``Agent.step``'s ``chunks``). A frame
+        seen before runs no vision encoder (its features are kept by content)."""
         pieces: list[tuple[str, ChunkInput, dict[str, Any]]] = []
         salt = self.cm.config.tenant_salt
         for k, f in enumerate(sorted(chosen, key=lambda f: f.t), 1):
@@ -260,11 +265,7 @@ class VideoSession:
             pieces.append((self.adapter.chunk_key(chunk, salt), chunk, {"kind": "frame", "t": f.t}))
         keep = self.cm.exact_run([cid for cid, _, _ in pieces])
         self.cm.cut(keep, store=False)  # what leaves is prefilled again if asked for: features kept
-        rest = pieces[keep:]
-        ids = self.cm.append_many([chunk for _, chunk, _ in rest], [meta for _, _, meta in rest])
-        for cid, (_, chunk, _) in zip(ids, rest, strict=True):
-            self.inputs[cid] = chunk
-        return keep
+        return keep, [(chunk, meta) for _, chunk, meta in pieces[keep:]]
 
     def _bring_in(self, chosen: Sequence[FrameRecord]) -> list[float]:
         """Make the chosen frames present: evict unchosen chunks (oldest first) to make room, then

@@ -367,6 +367,39 @@ def test_append_many_equals_appending_one_by_one(name: str) -> None:
     torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl", "qwen3-vl", "deepseek-mla"])
+def test_append_and_ask_is_append_many_then_the_prompt(name: str) -> None:
+    """The new chunks and a prompt in one forward pass: the same window and chunk ids, the prompt's
+    logits, and a live cache that holds the prompt after the window (decoding goes on there), as
+    appending then running the prompt gives; with a window too small for one pass, the same."""
+    adapter = load_adapter(f"tiny:{name}")
+    prefix = TextInput(torch.arange(2, 8))
+    if isinstance(adapter, VisionAdapter):
+        chunks = [adapter.image(Image.new("RGB", (56, 56), c)) for c in ("red", "green", "blue")]
+    else:
+        chunks = pool()[:3]
+    prompt, token = TextInput(torch.tensor([11, 12, 13])), 14
+    for budget in (4096, prefix.n_tokens + chunks[0].n_tokens + chunks[1].n_tokens):
+        got = []
+        for merged in (False, True):
+            store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+            cm = ContextManager(adapter, store, WindowConfig(budget_tokens=budget), prefix)
+            metas = [{"i": i} for i in range(len(chunks))]
+            if merged:
+                ids, logits = cm.append_and_ask(chunks, metas, prompt)
+            else:
+                ids = cm.append_many(chunks, metas)
+                logits = adapter.next_logits(prompt, cm.cache(), cm.next_start)
+            cache, start = cm.cache(), cm.next_start
+            assert adapter.cache_length(cache) == cm.tokens + prompt.n_tokens
+            after = adapter.decode_step(token, cache, start + prompt.n_tokens)
+            got.append((ids, [v.meta for v in cm.view()[1:]], logits, after))
+        (ids_a, metas_a, logits_a, after_a), (ids_b, metas_b, logits_b, after_b) = got
+        assert (ids_a, metas_a) == (ids_b, metas_b)
+        torch.testing.assert_close(logits_b, logits_a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(after_b, after_a, rtol=1e-4, atol=1e-4)
+
+
 def test_adopting_kv_that_is_not_the_live_cache_s_next_tokens_rewrites_it(adapter: ModelAdapter) -> None:
     store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
     cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))

@@ -229,6 +229,15 @@ class ModelAdapter(ABC):
             out.append(kv)
         return out
 
+    def prefill_and_ask(
+        self, chunks: Sequence[ChunkInput], prompt: ChunkInput, cache: ModelCache, start: int
+    ) -> tuple[list[ChunkKV], torch.Tensor]:
+        """:meth:`prefill_many` of ``chunks`` from ``start``, then ``prompt`` after them as
+        :meth:`next_logits` runs it: the chunks' KV and the prompt's last logits ``[vocab]``; the
+        cache grows by both. Adapters may do it in one pass."""
+        kvs = self.prefill_many(chunks, cache, start)
+        return kvs, self.next_logits(prompt, cache, start + sum(kv.extent for kv in kvs))
+
     @abstractmethod
     def next_logits(self, chunk: ChunkInput, cache: ModelCache, start: int) -> torch.Tensor:
         """Like :meth:`prefill` (``cache`` grows by the chunk) but only the logits ``[vocab]``

@@ -301,32 +301,44 @@ class DecoderAdapter(ModelAdapter):
     def prefill_many(self, chunks: Sequence[ChunkInput], cache: ModelCache, start: int) -> list[ChunkKV]:
         """All ``chunks`` in one forward pass (logits of the last token only); each chunk's KV
         taken out of the grown cache and un-rotated with its own positions."""
-        if not chunks:
-            return []
-        if any(c.n_tokens == 0 for c in chunks):
+        return self._prefill_many(chunks, None, cache, start)[0] if chunks else []
+
+    @torch.inference_mode()
+    def prefill_and_ask(
+        self, chunks: Sequence[ChunkInput], prompt: ChunkInput, cache: ModelCache, start: int
+    ) -> tuple[list[ChunkKV], torch.Tensor]:
+        """The chunks and the prompt in one forward pass."""
+        return self._prefill_many(chunks, prompt, cache, start)
+
+    def _prefill_many(
+        self, chunks: Sequence[ChunkInput], prompt: ChunkInput | None, cache: ModelCache, start: int
+    ) -> tuple[list[ChunkKV], torch.Tensor]:
+        """``chunks`` then ``prompt`` (if any) in one pass: the chunks' KV, the last logits."""
+        run = [*chunks, prompt] if prompt is not None else list(chunks)
+        if any(c.n_tokens == 0 for c in run):
             raise ValueError("cannot prefill an empty chunk")
-        self._prepare(chunks)
+        self._prepare(run)
         embeds, positions, placed = [], [], []
         at = start
-        for chunk in chunks:
+        for chunk in run:
             rel, extent = self.chunk_positions(chunk)
             embeds.append(self.embed(chunk))
             positions.append(rel + at)
             placed.append((rel, extent, at))
             at += extent
-        self._run(
+        logits = self._run(
             torch.cat(embeds)[None],
             torch.cat(positions, dim=-1).to(self.device),
             cache,
             last_only=True,
-            chunks=chunks,
+            chunks=run,
         )
-        out, after = [], sum(c.n_tokens for c in chunks)
-        for chunk, (rel, extent, at) in zip(chunks, placed, strict=True):
+        out, after = [], sum(c.n_tokens for c in run)
+        for chunk, (rel, extent, at) in zip(chunks, placed, strict=False):
             after -= chunk.n_tokens
             kv = self._extract(cache, chunk.n_tokens, (rel + at).to(self.device), rel, extent, after)
             out.append(kv)
-        return out
+        return out, logits[-1]
 
     @torch.inference_mode()
     def decode_step(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
