@@ -6,9 +6,12 @@ puts the same documents in another order. It is answered through the same prompt
 ``kamera serve`` runs, once per reuse mode: ``fast`` moves every document's stored KV by
 rotation alone (blind: what each absorbed from the documents before it stays wrong), ``repair``
 moves them and recomputes the share of their tokens that deviates most in this context,
-``exact`` reuses only the exact prefix (the system prompt) and prefills the rest. A full
-prefill of the reordered prompt is the reference: the table shows what each mode reused,
-recomputed and answered, and whether the answer is the full prefill's.
+``exact`` reuses only the exact prefix (the system prompt) and prefills the rest. ``repair``
+decodes under the server's guard: documents that bind to new neighbours stay far from their
+context after repair, so a call too close for that moves decoding to exact KV (``fallback``
+counts the tokens prefilled again). A full prefill of the reordered prompt is the reference: the
+table shows what each mode reused, recomputed and answered, and whether the answer is the full
+prefill's.
 """
 
 from __future__ import annotations
@@ -42,6 +45,49 @@ DOCUMENTS = [
 QUESTION = "In which city was Marie Curie born?"
 
 
+def run(adapter: Any, question: str, order: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+    """The first request stored, then the documents in ``order`` answered in each reuse mode
+    (each from the same stored first request) and by a full prefill: the report."""
+    params = SamplingParams(max_tokens=max_new_tokens)
+
+    def messages(docs: Sequence[str]) -> list[Message]:
+        return [Message("system", (SYSTEM,)), Message("user", (*[d + "\n" for d in docs], question))]
+
+    def ask(pc: PromptCache, docs: Sequence[str], mode: Any) -> dict[str, Any]:
+        prompt = build_prompt(adapter, render(adapter.tokenizer, messages(docs)), pc.image_unit)
+        t = time.perf_counter()
+        answered = answer(pc, prompt, "", mode, params)
+        out, u = answered.decoded, answered.usage
+        return {
+            "mode": mode,
+            "answer": adapter.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
+            "tokens": out.tokens,
+            "prompt_tokens": u.prompt_tokens,
+            "exact_tokens": u.prefix_tokens,
+            "content_tokens": u.relocated_tokens,
+            "repair_recomputed_tokens": u.repaired_tokens,
+            "repair_residual": u.repair_residual,
+            "prefilled_tokens": u.prefilled_tokens,
+            "rotated_tokens": u.rotated_tokens,
+            "exact_fallback_tokens": u.fallback_tokens,
+            "ttft_ms": 1000 * (out.first_token_at - t),
+        }
+
+    reordered = [DOCUMENTS[i] for i in order]
+    rows = []
+    with torch.inference_mode():
+        full = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20)))
+        reference = ask(full, reordered, "exact")
+        for mode in ("fast", "repair", "exact"):
+            # each mode starts from the same stored first request, documents in their first order
+            pc = PromptCache(
+                adapter, TieredStore.from_config(StoreConfig(host_bytes=256 << 20)), PromptCacheConfig()
+            )
+            ask(pc, DOCUMENTS, "exact")
+            rows.append(ask(pc, reordered, mode))
+    return {"model": adapter.info.name, "order": list(order), "reference": reference, "modes": rows}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kamera demo", description=__doc__)
     parser.add_argument(
@@ -53,7 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     console = Console()
-    order = [int(i) for i in args.order.split(",")]
+    try:
+        order = [int(i) for i in args.order.split(",")]
+    except ValueError:
+        order = []
     if sorted(order) != list(range(len(DOCUMENTS))):
         parser.error(f"--order must be a permutation of 0..{len(DOCUMENTS) - 1}")
 
@@ -63,47 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"[bold]model[/] {adapter.info.name} ({adapter.info.architecture}, {adapter.info.family}, "
         f"{adapter.info.n_layers} layers) loaded in {time.perf_counter() - t0:.1f} s"
     )
-    params = SamplingParams(max_tokens=args.max_new_tokens)
-
-    def messages(docs: Sequence[str]) -> list[Message]:
-        return [Message("system", (SYSTEM,)), Message("user", (*[d + "\n" for d in docs], args.question))]
-
-    def run(pc: PromptCache, docs: Sequence[str], salt: str, mode: Any) -> dict[str, Any]:
-        prompt = build_prompt(adapter, render(adapter.tokenizer, messages(docs)), pc.image_unit)
-        t = time.perf_counter()
-        answered = answer(pc, prompt, salt, mode, params)
-        out, u = answered.decoded, answered.usage
-        ttft_ms = 1000 * (out.first_token_at - t)
-        return {
-            "mode": mode,
-            "answer": adapter.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(),
-            "tokens": out.tokens,
-            "prompt_tokens": u.prompt_tokens,
-            "exact_tokens": u.prefix_tokens,
-            "content_tokens": u.relocated_tokens,
-            "repair_recomputed_tokens": u.repaired_tokens,
-            "prefilled_tokens": u.prefilled_tokens,
-            "rotated_tokens": u.rotated_tokens,
-            "exact_fallback_tokens": u.fallback_tokens,
-            "ttft_ms": ttft_ms,
-        }
-
-    reordered = [DOCUMENTS[i] for i in order]
-    rows = []
-    with torch.inference_mode():
-        reference = run(
-            PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20))),
-            reordered,
-            "",
-            "exact",
-        )
-        for mode in ("fast", "repair", "exact"):
-            # each mode starts from the same stored first request, documents in their first order
-            pc = PromptCache(
-                adapter, TieredStore.from_config(StoreConfig(host_bytes=256 << 20)), PromptCacheConfig()
-            )
-            run(pc, DOCUMENTS, "", "exact")
-            rows.append(run(pc, reordered, "", mode))
+    report = run(adapter, args.question, order, args.max_new_tokens)
+    reference, rows = report["reference"], report["modes"]
 
     table = Table(title=f"documents reordered to {args.order}: each reuse mode against a full prefill")
     for col in (
@@ -112,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reused by content",
         "repair recomputed",
         "prefilled",
+        "fallback",
         "TTFT ms",
         "answer",
         "= full prefill",
@@ -124,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             str(r["content_tokens"]),
             str(r["repair_recomputed_tokens"]),
             str(r["prefilled_tokens"]),
+            str(r["exact_fallback_tokens"]),
             f"{r['ttft_ms']:.0f}",
             repr(r["answer"]),
             "yes" if r["tokens"] == reference["tokens"] else "no",
@@ -134,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0",
         "0",
         str(reference["prefilled_tokens"]),
+        "0",
         f"{reference['ttft_ms']:.0f}",
         repr(reference["answer"]),
         "-",
@@ -142,11 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table)
     console.print(
         "[dim]fast: stored KV moved by rotation alone; repair: moved, and the tokens whose layer-1 "
-        "KV deviates most in this context recomputed through every layer; exact: only the exact "
-        "prefix reused. The server's default is set by --reuse-mode.[/]"
+        "KV deviates most in this context recomputed through every layer, then decoded under a "
+        "guard that moves to exact KV at a call too close for what the repair left (fallback: "
+        "the tokens prefilled again for it); exact: only the exact prefix reused. The server's "
+        "default is set by --reuse-mode.[/]"
     )
     if args.json_path:
-        report = {"model": adapter.info.name, "order": order, "reference": reference, "modes": rows}
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0
