@@ -83,10 +83,15 @@ def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:  # noqa: 
     assert out.escalated_at is None
 
 
-def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811
-    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=1e9))
+def _after_first(adapter: Any, **config: Any) -> tuple[PromptCache, Any]:
+    """A prompt cache that has committed ``FIRST``, and ``MOVED`` as its prompt."""
+    pc = PromptCache(adapter, make_cache(adapter).store, dataclasses.replace(CONFIG, **config))
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
-    moved = prompt_of(pc, MOVED)
+    return pc, prompt_of(pc, MOVED)
+
+
+def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811
+    pc, moved = _after_first(llama, repair_margin=1e9)
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.relocated_tokens > 0
@@ -98,9 +103,8 @@ def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:
 
 
 def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
-    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin=0.0))
-    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
-    out = answer(pc, prompt_of(pc, MOVED), "", "repair", PARAMS)
+    pc, moved = _after_first(llama, repair_margin=0.0)
+    out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.relocated_tokens > 0
     assert out.decoded.escalated_at is None
     assert out.usage.fallback_tokens == 0
@@ -114,10 +118,7 @@ def test_the_guard_margin_grows_with_the_deviation_repair_left(llama: Any) -> No
     assert guard_margin(0.5, 1e-4, 1e-4) == 0.5
     assert guard_margin(0.5, 4e-4, 1e-4) == pytest.approx(1.0)
     assert guard_margin(0.5, 1.0, 0.0) == 0.5
-    config = dataclasses.replace(CONFIG, repair_margin=1e-9, repair_residual_unit=1e-30)
-    pc = PromptCache(llama, make_cache(llama).store, config)
-    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
-    moved = prompt_of(pc, MOVED)
+    pc, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=1e-30)
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.repair_residual > 0.0
@@ -125,9 +126,8 @@ def test_the_guard_margin_grows_with_the_deviation_repair_left(llama: Any) -> No
     assert out.usage.fallback_tokens > 0
     assert out.decoded.tokens == reference
     # the same prompt with the margin as set keeps its repaired KV
-    fixed = PromptCache(llama, make_cache(llama).store, dataclasses.replace(config, repair_residual_unit=0.0))
-    fixed.commit(fixed.prepare(prompt_of(fixed, FIRST)))
-    kept = answer(fixed, prompt_of(fixed, MOVED), "", "repair", PARAMS)
+    fixed, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=0.0)
+    kept = answer(fixed, moved, "", "repair", PARAMS)
     assert kept.usage.repair_residual == out.usage.repair_residual
     assert kept.decoded.escalated_at is None
-    assert answer(fixed, prompt_of(fixed, MOVED), "", "exact", PARAMS).usage.repair_residual == 0.0
+    assert answer(fixed, moved, "", "exact", PARAMS).usage.repair_residual == 0.0
