@@ -334,7 +334,7 @@ class DecoderAdapter(ModelAdapter):
             chunks=run,
         )
         out, after = [], sum(c.n_tokens for c in run)
-        for chunk, (rel, extent, at) in zip(chunks, placed, strict=False):
+        for chunk, (rel, extent, at) in zip(chunks, placed[: len(chunks)], strict=True):
             after -= chunk.n_tokens
             kv = self._extract(cache, chunk.n_tokens, (rel + at).to(self.device), rel, extent, after)
             out.append(kv)
