@@ -17,7 +17,9 @@ commits: a full prefill). Per policy and mode:
   content at a moved position or after other antecedents), ``repair_recomputed`` (of those, the
   tokens repair ran through every layer again), ``cached`` (exact + content), ``recomputed``,
   ``seen_before`` (prompt tokens outside the messages new to the session, none on its first
-  request: the most any cache could reuse on this traffic);
+  request: the most any cache could reuse where new content comes as whole messages; a message
+  changed in part, as the clock's system prompt, counts as new, though content reuse takes most
+  of it);
 - ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
   hits, measured side by side (median and mean), in the same process and thread count;
 - ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
@@ -81,9 +83,10 @@ class Row(NamedTuple):
 
 
 def seen_tokens(tokenizer: Any, prompt_tokens: int, messages: Sequence[Message], seen: set[Any]) -> int:
-    """The most any cache could reuse of this request: its prompt tokens outside the messages
-    whose text no earlier request of the session held (template tokens included; none on the
-    session's first request). ``seen`` takes this request's messages."""
+    """The prompt tokens of this request outside the messages whose text no earlier request of the
+    session held (template tokens included; none on the session's first request): the most any
+    cache could reuse where new content comes as whole messages (a message changed in part counts
+    as new). ``seen`` takes this request's messages."""
     texts = [(m.role, "".join(p for p in m.parts if isinstance(p, str))) for m in messages]
     first = not seen
     new = sum(
@@ -156,7 +159,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "repair_recomputed": round(repaired / total, 4),
             "cached": round((exact + content) / total, 4),
             "recomputed": round(sum(x.prefilled_tokens for x in u) / total, 4),
-            # the ceiling: prompt tokens outside messages new to the session
+            # a ceiling where new content comes as whole messages (see seen_tokens)
             "seen_before": round(sum(r.seen_tokens for r in rows) / total, 4),
         },
         **ttft_fields(hit),

@@ -18,12 +18,14 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
 - ``cacheblend-<pct>``: blind, then the ``pct`` % of chunk tokens whose values deviate most at
   layer 1 recomputed through all layers (``agent/recompute.py``).
 - ``epic-<k>``: blind, then the first k tokens of every chunk but the first recomputed.
-- ``cacheblend-<pct>+guard``: what ``kamera serve`` answers with in ``repair`` mode: the same
-  recompute, then greedy decoding under the repair guard (``--guard-margin``, the server's
-  default): at the first step whose best two logits lie closer than the margin, decoding moves to
-  the context's exact KV (a fresh prefill of every chunk after the first), whose cost joins the
-  row's ``recompute`` (``fallback``: the share of items that took it). The margin grows with the
-  deviation the recompute left (``--residual-unit``), as the server's does.
+- ``cacheblend-<pct>+guard``: ``kamera serve``'s ``repair`` method through its own code
+  (``agent/recompute.py``, ``generation.decode`` and its guard), on this bench's placement of the
+  chunks rather than the prompt cache's: the same recompute, then greedy decoding under the
+  repair guard (``--guard-margin``, the server's default): at the first step whose best two
+  logits lie closer than the margin, decoding moves to the context's exact KV (a fresh prefill of
+  every chunk after the first), whose cost joins the row's ``recompute`` (``fallback``: the share
+  of items that took it). The margin grows with the deviation the recompute left
+  (``--residual-unit``), as the server's does.
 
 Canonical KV (``--canonical``): ``alone`` encodes a chunk on its own at position 0;
 ``after-prefix`` encodes it right after the pinned prefix (the attention sink), then removes

@@ -314,7 +314,7 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
             )
             recs[name] = score(out.k, out.v, rec)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
-                # what `kamera serve` runs in repair mode: this recompute, then the guard (its
+                # kamera serve's repair method, its code on this placement: the recompute, the guard (its
                 # margin grown with the deviation left); a fallback costs the exact prefill of
                 # everything after the exact prefix
                 margin = guard_margin(config.guard_margin, out.residual, config.residual_unit)

@@ -56,7 +56,7 @@ def aggregate(results: Sequence[ItemResult], mode: str) -> dict[str, dict[str, A
             "apply_vs_prefill": apply_ms / prefill_ms if prefill_ms else None,
             "positions": int(kl.numel()),
             "oracle": recs[0].oracle,
-            # per item, in order: what a guard or its risk check is chosen from (on the dev half)
+            # per item, in order: what the guard's settings are chosen from (on the dev half)
             "per_item": [
                 {"agree": rec.agree, "residual": rec.residual, "fallback": rec.fallback} for rec in recs
             ],
