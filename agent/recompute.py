@@ -45,13 +45,16 @@ class DeviationSelection:
     """CacheBlend: recompute the ``ratio`` share of ``candidates`` deviating most at ``layer``.
 
     candidates: token indices that may be chosen (the reused chunks; a pinned prefix whose KV
-    is exact need not be). At least one token is chosen when ``ratio > 0``.
+    is exact need not be). At least one token is chosen when ``ratio > 0``. max_residual: when
+    the deviation the choice would leave (:class:`Repaired`) exceeds it, nothing runs past the
+    selection layer (the repair is given up: what it would leave is too far to use).
     """
 
     ratio: float
     candidates: torch.Tensor
     layer: int = 1
     deviation: Deviation = "v"
+    max_residual: float = float("inf")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -60,6 +63,8 @@ class DeviationSelection:
             raise ValueError(f"layer must be >= 0, got {self.layer}")
         if self.deviation not in ("v", "kv"):
             raise ValueError(f"deviation must be 'v' or 'kv', got {self.deviation!r}")
+        if not self.max_residual >= 0.0:
+            raise ValueError(f"max_residual must be >= 0, got {self.max_residual}")
 
     @property
     def count(self) -> int:
@@ -117,7 +122,8 @@ def recompute_into(
     positions: int64 absolute positions ``[N]`` (``[3, N]`` under M-RoPE). At every layer the
     recomputed tokens' KV in ``cache`` is replaced; from the selection layer on, the others'
     is left as it was (the selection layer restores the rows it tried but did not keep).
-    Returns how many tokens ran through every layer and the deviation left. Raises TypeError
+    Returns how many tokens ran through every layer and the deviation left (none ran past the
+    selection layer when it exceeds the selection's ``max_residual``). Raises TypeError
     for a model whose layers cannot run on rows (MLA), ValueError for inputs that disagree with
     the cache.
     """
@@ -199,6 +205,8 @@ def _recompute(
     keep = torch.zeros(rows.numel(), dtype=torch.bool)
     keep[torch.topk(dev, selection.count).indices.cpu()] = True
     residual = float(dev[~keep.to(dev.device)].sum() / energy.clamp_min(1e-30))
+    if residual > selection.max_residual:  # given up: every row gets its reused KV back here
+        keep[:] = False
     drop = (~keep).to(k_layer.device)
     k_layer.index_copy_(1, device_rows[drop], saved_k[:, drop])
     v_layer.index_copy_(1, device_rows[drop], saved_v[:, drop])

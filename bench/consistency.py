@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -168,8 +169,32 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "requests": sum(x.fallback_tokens > 0 for x in u),
             "tokens": sum(x.fallback_tokens for x in u),
         },
-        # what the guard's margin grows with; per request with content hits, in replay order
+        # what the guard's margin scales with; per request with content hits, in replay order
         "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens],
+        **logit_error_fields(rows),
+    }
+
+
+def gap_error(reference: torch.Tensor, cached: torch.Tensor) -> float:
+    """How much the cached logits moved the gap between the reference's best two tokens (what
+    flips a greedy choice; positive: the gap widened)."""
+    best = torch.topk(reference.double(), 2).indices
+    err = cached.double() - reference.double()
+    return float(err[best[0]] - err[best[1]])
+
+
+def logit_error_fields(rows: Sequence[Row]) -> dict[str, Any]:
+    """First-token logit errors of the requests whose decoding the guard watches (content reuse in
+    repair mode), beside the residual repair left: ``gap_errors`` (see :func:`gap_error`) and
+    ``margin_scale`` = the largest ``|gap error| / sqrt(residual)``, the scale a guard margin
+    ``c * sqrt(residual)`` needs to cover every one of them (``answer.guard_margin``). Read with
+    ``--repair-margin 0``, where nothing falls back and every cached logit is repaired KV's."""
+    watched = [r for r in rows if r.cached.usage.relocated_tokens and r.cached.usage.repair_residual > 0]
+    gaps = [gap_error(r.reference.logits, r.cached.logits) for r in watched]
+    scales = [abs(g) / math.sqrt(r.cached.usage.repair_residual) for g, r in zip(gaps, watched, strict=True)]
+    return {
+        "gap_errors": [round(g, 5) for g in gaps],
+        "margin_scale": round(max(scales), 2) if scales else None,
     }
 
 
@@ -278,7 +303,13 @@ def parser() -> argparse.ArgumentParser:
         "--repair-residual-unit",
         type=float,
         default=PromptCacheConfig.repair_residual_unit,
-        help="the deviation left by repair beyond which the guard's margin grows (0: never)",
+        help="the deviation left by repair at which the guard's margin is as set (0: always as set)",
+    )
+    p.add_argument(
+        "--repair-margin-cap",
+        type=float,
+        default=PromptCacheConfig.repair_margin_cap,
+        help="a repair calling for a larger margin is given up, the prompt prefilled exact (0: never)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--store-bytes", type=int, default=4 << 30)
@@ -309,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repair_ratio=args.repair_ratio,
         repair_margin=args.repair_margin,
         repair_residual_unit=args.repair_residual_unit,
+        repair_margin_cap=args.repair_margin_cap,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
     report: dict[str, Any] = {
@@ -325,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repair_ratio": config.repair_ratio,
             "repair_margin": config.repair_margin,
             "repair_residual_unit": config.repair_residual_unit,
+            "repair_margin_cap": config.repair_margin_cap,
         },
         "policies": {},
     }

@@ -24,8 +24,9 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
   repair guard (``--guard-margin``, the server's default): at the first step whose best two
   logits lie closer than the margin, decoding moves to the context's exact KV (a fresh prefill of
   every chunk after the first), whose cost joins the row's ``recompute`` (``fallback``: the share
-  of items that took it). The margin grows with the deviation the recompute left
-  (``--residual-unit``), as the server's does.
+  of items that took it). The margin scales with the deviation the recompute left
+  (``--residual-unit``), and beyond ``--guard-cap`` the repair is given up for exact KV at once
+  (its recompute not counted), as the server does.
 
 Canonical KV (``--canonical``): ``alone`` encodes a chunk on its own at position 0;
 ``after-prefix`` encodes it right after the pinned prefix (the attention sink), then removes
@@ -119,7 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--residual-unit",
         type=float,
         default=FidelityConfig.residual_unit,
-        help="the deviation left by repair beyond which the guard's margin grows (0: never)",
+        help="the deviation left by repair at which the guard's margin is as set (0: always as set)",
+    )
+    parser.add_argument(
+        "--guard-cap",
+        type=float,
+        default=FidelityConfig.guard_cap,
+        help="a larger margin gives the repair up for exact KV at once, as the server does (0: never)",
     )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-chunks", type=int, default=4, help="chunks per item (0: all)")
@@ -145,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epic=tuple(int(k) for k in _floats(args.epic)),
         guard_margin=args.guard_margin,
         residual_unit=args.residual_unit,
+        guard_cap=args.guard_cap,
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,

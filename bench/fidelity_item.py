@@ -57,7 +57,8 @@ class FidelityConfig:
     max_new_tokens: int = 16
     system: str = SYSTEM
     guard_margin: float = PromptCacheConfig.repair_margin  # 0 leaves out the guarded rows
-    residual_unit: float = PromptCacheConfig.repair_residual_unit  # the margin grows beyond it
+    residual_unit: float = PromptCacheConfig.repair_residual_unit  # the margin scales with residual / unit
+    guard_cap: float = PromptCacheConfig.repair_margin_cap  # a larger margin: repair given up (0: never)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.canonical if m not in CANONICAL_MODES]
@@ -315,15 +316,21 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
             recs[name] = score(out.k, out.v, rec)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
                 # kamera serve's repair method, its code on this placement: the recompute, the guard (its
-                # margin grown with the deviation left); a fallback costs the exact prefill of
-                # everything after the exact prefix
+                # margin scaled with the deviation left); a fallback costs the exact prefill of
+                # everything after the exact prefix. A margin beyond the cap: the server gives the
+                # repair up before its recompute and answers on exact KV (no recompute counted)
                 margin = guard_margin(config.guard_margin, out.residual, config.residual_unit)
+                given_up = 0 < config.guard_cap < margin
                 tokens, moved = guarded_answer(
-                    adapter, (out.k, out.v), (k_ref, v_ref), prompt, margin, config.max_new_tokens
+                    adapter,
+                    (out.k, out.v),
+                    (k_ref, v_ref),
+                    prompt,
+                    float("inf") if given_up else margin,
+                    config.max_new_tokens,
                 )
-                guarded = replace(
-                    rec, recompute=rec.recompute + (later if moved else 0.0), fallback=float(moved)
-                )
+                spent = 0.0 if given_up else rec.recompute
+                guarded = replace(rec, recompute=spent + (later if moved else 0.0), fallback=float(moved))
                 recs[f"{name}+guard"] = judge(tokens, guarded)
         methods[mode] = recs
     return ItemResult(

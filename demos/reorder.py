@@ -9,7 +9,8 @@ moves them and recomputes the share of their tokens that deviates most in this c
 ``exact`` reuses only the exact prefix (the system prompt) and prefills the rest. ``repair``
 decodes under the server's guard: documents that bind to new neighbours stay far from their
 context after repair, so a call too close for that moves decoding to exact KV (``fallback``
-counts the tokens prefilled again). A full prefill of the reordered prompt is the reference: the
+counts the tokens prefilled again), and a repair that would leave them too far off to decode on
+at all (``residual``) is given up for an exact prefill before it runs. A full prefill of the reordered prompt is the reference: the
 table shows what each mode reused, recomputed and answered, and whether the answer is the full
 prefill's.
 """
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reused by content",
         "repair recomputed",
         "prefilled",
+        "residual",
         "fallback",
         "TTFT ms",
         "answer",
@@ -135,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             str(r["content_tokens"]),
             str(r["repair_recomputed_tokens"]),
             str(r["prefilled_tokens"]),
+            f"{r['repair_residual']:.1e}" if r["repair_residual"] else "-",
             str(r["exact_fallback_tokens"]),
             f"{r['ttft_ms']:.0f}",
             repr(r["answer"]),
@@ -146,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0",
         "0",
         str(reference["prefilled_tokens"]),
+        "-",
         "0",
         f"{reference['ttft_ms']:.0f}",
         repr(reference["answer"]),
@@ -156,8 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(
         "[dim]fast: stored KV moved by rotation alone; repair: moved, and the tokens whose layer-1 "
         "KV deviates most in this context recomputed through every layer, then decoded under a "
-        "guard that moves to exact KV at a call too close for what the repair left (fallback: "
-        "the tokens prefilled again for it); exact: only the exact prefix reused. The server's "
+        "guard that moves to exact KV at a call too close for what the repair left (residual; "
+        "fallback: the tokens prefilled again for it; a repair left too far off is given up for "
+        "an exact prefill before it runs); exact: only the exact prefix reused. The server's "
         "default is set by --reuse-mode.[/]"
     )
     if args.json_path:

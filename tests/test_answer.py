@@ -91,7 +91,7 @@ def _after_first(adapter: Any, **config: Any) -> tuple[PromptCache, Any]:
 
 
 def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811
-    pc, moved = _after_first(llama, repair_margin=1e9)
+    pc, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0)
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.relocated_tokens > 0
@@ -110,24 +110,55 @@ def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
     assert out.usage.fallback_tokens == 0
 
 
-def test_the_guard_margin_grows_with_the_deviation_repair_left(llama: Any) -> None:  # noqa: F811
-    """Up to the unit the margin is as set; beyond it, it grows with the square root of the
-    residual. A repair that left more than a tiny unit allows is answered on exact KV at a close
-    call the fixed margin would have let through."""
-    assert guard_margin(0.5, 0.0, 1e-4) == 0.5
+def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> None:  # noqa: F811
+    """At the unit the margin is as set; it scales with the square root of residual / unit, up
+    and down. A repair that left more than a tiny unit allows is answered on exact KV at a close
+    call the margin as set would have let through; one that left less than a huge unit keeps its
+    repaired KV at a call the margin as set would have sent to exact KV."""
     assert guard_margin(0.5, 1e-4, 1e-4) == 0.5
     assert guard_margin(0.5, 4e-4, 1e-4) == pytest.approx(1.0)
+    assert guard_margin(0.5, 2.5e-5, 1e-4) == pytest.approx(0.25)
+    assert guard_margin(0.5, 0.0, 1e-4) == 0.0
     assert guard_margin(0.5, 1.0, 0.0) == 0.5
-    pc, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=1e-30)
+    no_cap = {"repair_margin_cap": 0.0}
+    pc, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=1e-30, **no_cap)
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.repair_residual > 0.0
+    assert out.usage.repaired_tokens > 0
     assert out.decoded.escalated_at == 0
     assert out.usage.fallback_tokens > 0
     assert out.decoded.tokens == reference
     # the same prompt with the margin as set keeps its repaired KV
-    fixed, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=0.0)
+    fixed, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=0.0, **no_cap)
     kept = answer(fixed, moved, "", "repair", PARAMS)
     assert kept.usage.repair_residual == out.usage.repair_residual
     assert kept.decoded.escalated_at is None
     assert answer(fixed, moved, "", "exact", PARAMS).usage.repair_residual == 0.0
+    # a margin that would send every step to exact KV, scaled down by a residual far below its unit
+    always, moved = _after_first(llama, repair_margin=1e9, repair_residual_unit=0.0, **no_cap)
+    assert answer(always, moved, "", "repair", PARAMS).decoded.escalated_at == 0
+    shrunk, moved = _after_first(llama, repair_margin=1e9, repair_residual_unit=1e30, **no_cap)
+    assert answer(shrunk, moved, "", "repair", PARAMS).decoded.escalated_at is None
+
+
+def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> None:  # noqa: F811
+    """A residual calling for a margin beyond the cap: no recompute, no decoding on repaired KV;
+    the prompt is prepared exact, its answer is the full prefill's, the exact prefill is counted
+    as a fallback, and what is committed is exact KV."""
+    pc, moved = _after_first(llama, repair_margin=0.5, repair_residual_unit=1e-30, repair_margin_cap=3.0)
+    assert pc.config.give_up_residual == pytest.approx(36e-30)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    out = answer(pc, moved, "", "repair", PARAMS)
+    u = out.usage
+    assert u.mode == "repair"
+    assert u.repair_residual > pc.config.give_up_residual
+    assert (u.relocated_tokens, u.repaired_tokens) == (0, 0)
+    assert u.fallback_tokens == u.prefilled_tokens > 0
+    assert out.decoded.escalated_at is None
+    assert out.decoded.tokens == reference
+    again = pc.prepare(moved, "", "exact")
+    assert again.usage.prefix_tokens > 0.9 * moved.n_tokens - pc.config.block_tokens
+    # without a cap the same repair is decoded (and guarded)
+    uncapped, moved = _after_first(llama, repair_margin=0.5, repair_residual_unit=1e-30, repair_margin_cap=0.0)
+    assert answer(uncapped, moved, "", "repair", PARAMS).usage.relocated_tokens > 0

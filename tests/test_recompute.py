@@ -134,6 +134,29 @@ def test_the_residual_is_the_deviation_left_unrecomputed(llama: ModelAdapter) ->
     assert selective_recompute(llama, ids, positions, k, v, FixedSelection(candidates)).residual == 0.0
 
 
+def test_a_repair_that_would_leave_too_much_runs_nothing_past_its_selection_layer(
+    llama: ModelAdapter,
+) -> None:
+    """Over ``max_residual`` the repair is given up: it reports the residual it measured and no
+    token recomputed, and from the selection layer on the KV is the reused one, untouched."""
+    ids, _, _, k, v = _setup(llama)
+    positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
+    measured = selective_recompute(llama, ids, positions, k, v, DeviationSelection(0.25, candidates))
+    assert measured.residual > 0.0
+    given_up = selective_recompute(
+        llama, ids, positions, k, v, DeviationSelection(0.25, candidates, max_residual=measured.residual / 2)
+    )
+    assert given_up.selected.numel() == 0
+    assert given_up.residual == measured.residual
+    assert torch.equal(given_up.k[1:], k[1:]) and torch.equal(given_up.v[1:], v[1:])
+    kept = selective_recompute(
+        llama, ids, positions, k, v, DeviationSelection(0.25, candidates, max_residual=measured.residual)
+    )
+    assert torch.equal(kept.selected, measured.selected)  # at the limit it still runs
+    with pytest.raises(ValueError, match="max_residual"):
+        DeviationSelection(0.25, candidates, max_residual=float("nan"))
+
+
 def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None:
     """The model cache's own tensors take the recomputed rows (no copy of the context): the same
     result as on buffers, the same storage before and after, and the tokens not chosen untouched."""

@@ -3,14 +3,20 @@ server (``runtime.py``), the consistency benchmark and the demo alike.
 
 In ``repair`` mode a prompt that reuses content at moved positions or after other antecedents is
 decoded under a guard (``generation.Guard``): repaired KV is close to a full prefill's, not equal,
-so the first greedy step whose best two logits lie closer than ``repair_margin`` moves decoding
+so the first greedy step whose best two logits lie closer than the guard's margin moves decoding
 onto the prompt prepared in ``exact`` mode (its exact prefix still reused bit for bit, the rest
 prefilled), where the tokens so far are replayed and checked. What is committed is then that
 exact KV, not the repaired one. A prompt whose every step is a clear call keeps the repaired
-KV's speed; one with a close call pays an exact prefill of its reused part, once. How close is
-too close grows with how far the repaired pieces still are from the new context (the deviation
-the repair left, ``PromptUsage.repair_residual``, beyond ``repair_residual_unit``): pieces that
-bind to new or reordered neighbours keep larger errors, which a fixed margin lets through.
+KV's speed; one with a close call pays an exact prefill of its reused part, once.
+
+The margin follows how far the repaired pieces still are from the new context (the deviation
+the repair left, ``PromptUsage.repair_residual``): ``repair_margin`` at a residual of
+``repair_residual_unit``, scaled by the square root of the ratio, up and down
+(:func:`guard_margin`). The scale is set on measured errors: the defaults cover twice the
+largest first-token logit-gap error that ``kamera bench consistency --repair-margin 0`` measured
+on the dev half, per unit of residual (``margin_scale``; ``docs/consistency.md``). A repair
+whose residual calls for a margin beyond ``repair_margin_cap`` is not decoded at all: the prompt
+cache gives it up before its recompute and prepares the prompt exact (``prompt_cache.py``).
 """
 
 from __future__ import annotations
@@ -48,11 +54,11 @@ class _ToExact:
 
 def guard_margin(margin: float, residual: float, unit: float) -> float:
     """The guard's margin for repaired KV that is still ``residual`` from its context: ``margin``
-    up to ``unit``, then grown by ``sqrt(residual / unit)`` (the residual is an energy ratio; the
-    logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
-    if unit <= 0 or residual <= unit:
+    at a residual of ``unit``, scaled by ``sqrt(residual / unit)`` up and down (the residual is an
+    energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
+    if unit <= 0:
         return margin
-    return margin * math.sqrt(residual / unit)
+    return margin * math.sqrt(max(0.0, residual) / unit)
 
 
 def answer(

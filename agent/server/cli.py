@@ -68,9 +68,16 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--repair-residual-unit",
         type=float,
-        default=float(_env("repair_residual_unit", "1e-4")),
-        help="repair's guard: the deviation a repair may leave (relative, at layer 1) with the margin "
-        "as set; beyond it the margin grows with its square root (0: never grows)",
+        default=float(_env("repair_residual_unit", "3.4e-6")),
+        help="repair's guard: the deviation a repair leaves (relative, at layer 1) at which the margin "
+        "is as set; it scales with the square root of the ratio, up and down (0: the margin as set)",
+    )
+    store.add_argument(
+        "--repair-margin-cap",
+        type=float,
+        default=float(_env("repair_margin_cap", "3.0")),
+        help="repair's guard: a repair whose residual calls for a larger margin is given up and the "
+        "prompt prefilled exact at once (0: never)",
     )
     shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
     shared.add_argument(
@@ -174,6 +181,7 @@ def build_config(args: argparse.Namespace) -> Any:
             mode=args.reuse_mode,
             repair_margin=args.repair_margin,
             repair_residual_unit=args.repair_residual_unit,
+            repair_margin_cap=args.repair_margin_cap,
         ),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,

@@ -167,7 +167,7 @@ class Metrics:
         self.repair_residual = Histogram(
             "kamera_repair_residual",
             "Deviation from the new context left in reused pieces after repair (relative, layer 1); "
-            "the guard's margin grows with it beyond --repair-residual-unit",
+            "the guard's margin scales with its square root (--repair-residual-unit)",
             buckets=RESIDUAL_BUCKETS,
             registry=r,
         )

@@ -106,10 +106,13 @@ class PromptCacheConfig:
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
     than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
     greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
-    exact KV (``answer.py``; 0: never). repair_residual_unit: the deviation a repair may leave
-    (``PromptUsage.repair_residual``) with that margin as set; beyond it the margin grows with the
-    square root of the excess (the error's amplitude), so pieces that bind to new or reordered
-    neighbours need clearer calls to keep their repaired KV (0: the margin never grows)."""
+    exact KV (``answer.py``; 0: never), at a residual (``PromptUsage.repair_residual``, the
+    deviation a repair left) of repair_residual_unit; the margin scales with the square root of
+    residual / unit, so pieces that bind to new or reordered neighbours need clearer calls to keep
+    their repaired KV and pieces barely touched keep theirs (unit 0: the margin as set, always).
+    A piece whose repair could not measure (no recompute ran) counts as the unit.
+    repair_margin_cap: a repair whose residual calls for a larger margin is given up before its
+    recompute and the prompt is prepared exact at once (0: never given up)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -121,7 +124,8 @@ class PromptCacheConfig:
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
     repair_margin: float = 0.5
-    repair_residual_unit: float = 1e-4
+    repair_residual_unit: float = 3.4e-6
+    repair_margin_cap: float = 3.0
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -139,6 +143,15 @@ class PromptCacheConfig:
             raise ValueError(
                 f"repair_residual_unit must be a finite number >= 0, got {self.repair_residual_unit}"
             )
+        if not 0.0 <= self.repair_margin_cap < float("inf"):
+            raise ValueError(f"repair_margin_cap must be a finite number >= 0, got {self.repair_margin_cap}")
+
+    @property
+    def give_up_residual(self) -> float:
+        """The residual beyond which the guard's margin would exceed ``repair_margin_cap``."""
+        if min(self.repair_margin_cap, self.repair_margin, self.repair_residual_unit) <= 0:
+            return float("inf")
+        return self.repair_residual_unit * (self.repair_margin_cap / self.repair_margin) ** 2
 
 
 def check_mode(mode: str) -> ReuseMode:
@@ -158,7 +171,9 @@ class PromptUsage(NamedTuple):
     mode: ReuseMode = "exact"
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
-    fallback_tokens: int = 0  # prefilled again when a too-close call moved decoding to exact KV
+    # prefilled again when a too-close call moved decoding to exact KV (a repair given up before
+    # decoding: the exact prefill, the same as prefilled_tokens)
+    fallback_tokens: int = 0
     # the deviation from this context that repair measured and left unrecomputed, the largest
     # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin grows with
     repair_residual: float = 0.0
@@ -278,8 +293,11 @@ class PromptCache:
             cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
                 done = self._repair(prompt, cache, repair)
+                if done.residual > self.config.give_up_residual:
+                    return self._exact_instead(prompt, tenant_salt, done.residual)
                 counts["repaired"] += done.tokens
-                residual = max(residual, done.residual)
+                measured = done.tokens > 0 or done.residual > 0
+                residual = max(residual, done.residual if measured else self.config.repair_residual_unit)
                 repair = []
             exact = exact_units == step.start
             # segments make a prefill exact; after reused content nothing is, so the rest runs in
@@ -320,6 +338,15 @@ class PromptCache:
         position = int(prompt.pos_off[-1])
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
+    def _exact_instead(self, prompt: Prompt, tenant_salt: str, residual: float) -> Prepared:
+        """A repair given up (its residual beyond ``give_up_residual``): the prompt prepared exact,
+        its usage in repair mode with the exact prefill counted as a fallback."""
+        prepared = self.prepare(prompt, tenant_salt, "exact")
+        prepared.usage = prepared.usage._replace(
+            mode="repair", fallback_tokens=prepared.usage.prefilled_tokens, repair_residual=residual
+        )
+        return prepared
+
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> Repaired:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
@@ -336,7 +363,8 @@ class PromptCache:
             [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
         )
         positions = torch.arange(n, dtype=torch.int64)
-        return recompute_into(self.adapter, cache, ids, positions, DeviationSelection(ratio, candidates))
+        selection = DeviationSelection(ratio, candidates, max_residual=self.config.give_up_residual)
+        return recompute_into(self.adapter, cache, ids, positions, selection)
 
     # --- commit: store new segments, index the prompt -----------------------------------
 

@@ -225,7 +225,7 @@ class CacheReport(BaseModel):
     vision_encoder_calls: int
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
     fallback_tokens: int = 0  # prefilled again when a close call on repaired KV moved decoding to exact KV
-    repair_residual: float = 0.0  # the deviation repair left, which the guard's margin grows with
+    repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
     queue_ms: float
     ttft_ms: float
     total_ms: float
