@@ -10,9 +10,9 @@ moves them and recomputes the share of their tokens that deviates most in this c
 decodes under the server's guard: documents that bind to new neighbours stay far from their
 context after repair, so a call too close for that moves decoding to exact KV (``fallback``
 counts the tokens prefilled again), and a repair that would leave them too far off to decode on
-at all (``residual``) is given up for an exact prefill before it runs. A full prefill of the reordered prompt is the reference: the
-table shows what each mode reused, recomputed and answered, and whether the answer is the full
-prefill's.
+at all (``residual``) is given up for an exact prefill before it runs. A full prefill of the
+reordered prompt is the reference: the table shows what each mode reused, recomputed and
+answered, and whether the answer is the full prefill's.
 """
 
 from __future__ import annotations

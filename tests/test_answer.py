@@ -160,5 +160,7 @@ def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> N
     again = pc.prepare(moved, "", "exact")
     assert again.usage.prefix_tokens > 0.9 * moved.n_tokens - pc.config.block_tokens
     # without a cap the same repair is decoded (and guarded)
-    uncapped, moved = _after_first(llama, repair_margin=0.5, repair_residual_unit=1e-30, repair_margin_cap=0.0)
+    uncapped, moved = _after_first(
+        llama, repair_margin=0.5, repair_residual_unit=1e-30, repair_margin_cap=0.0
+    )
     assert answer(uncapped, moved, "", "repair", PARAMS).usage.relocated_tokens > 0

@@ -77,7 +77,7 @@ def test_guarded_repair_rows(llama: ModelAdapter) -> None:
     base = {"ranks": (), "budgets": (), "cacheblend": (10.0,), "epic": (), "max_chunk_tokens": 20}
     lengths = [int(c.numel()) for c in build_prompt(Codec(None), ITEM, FidelityConfig(**base)).chunks]
     later = sum(lengths[1:]) / sum(lengths)
-    always = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e9))
+    always = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e9, guard_cap=0.0))
     for recs in always.methods.values():
         plain, guarded = recs["cacheblend-10"], recs["cacheblend-10+guard"]
         assert guarded.fallback == 1.0
@@ -85,6 +85,12 @@ def test_guarded_repair_rows(llama: ModelAdapter) -> None:
         assert guarded.agree == 1.0
         assert guarded.recompute == pytest.approx(plain.recompute + later)
         assert guarded.kl == plain.kl  # scored on the repaired KV the guard watched
+    # beyond the cap the repair is given up as the server does: exact KV, its recompute not spent
+    given_up = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e9))
+    for recs in given_up.methods.values():
+        guarded = recs["cacheblend-10+guard"]
+        assert (guarded.fallback, guarded.agree) == (1.0, 1.0)
+        assert guarded.recompute == pytest.approx(later)
     never = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, guard_margin=1e-12))
     for recs in never.methods.values():
         plain, guarded = recs["cacheblend-10"], recs["cacheblend-10+guard"]

@@ -148,7 +148,8 @@ def test_a_repair_that_would_leave_too_much_runs_nothing_past_its_selection_laye
     )
     assert given_up.selected.numel() == 0
     assert given_up.residual == measured.residual
-    assert torch.equal(given_up.k[1:], k[1:]) and torch.equal(given_up.v[1:], v[1:])
+    assert torch.equal(given_up.k[1:], k[1:])
+    assert torch.equal(given_up.v[1:], v[1:])
     kept = selective_recompute(
         llama, ids, positions, k, v, DeviationSelection(0.25, candidates, max_residual=measured.residual)
     )

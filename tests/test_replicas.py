@@ -41,6 +41,9 @@ class Replica:
         self.port = free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "KAMERA_API_KEYS": "key-a:alice,key-b:bob"}
         env["KAMERA_REDIS_URL"] = redis_url
+        # no cap: a random model's repairs leave more than the guard's cap would let it decode on,
+        # and what is checked here is where the reused KV came from
+        env["KAMERA_REPAIR_MARGIN_CAP"] = "0"
         args = ["serve", "--model", "tiny:llama-gqa", "--port", str(self.port), "--threads", "1"]
         args += ["--redis-retry-s", "1", "--redis-timeout-ms", "200", "--log-level", "warning"]
         self.process = subprocess.Popen(
