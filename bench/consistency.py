@@ -169,8 +169,9 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "requests": sum(x.fallback_tokens > 0 for x in u),
             "tokens": sum(x.fallback_tokens for x in u),
         },
-        # what the guard's margin scales with; per request with content hits, in replay order
-        "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens],
+        # what the guard's margin scales with; per request with content hits (or a repair given
+        # up for them), in replay order
+        "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens or x.repair_residual],
         **logit_error_fields(rows),
     }
 
