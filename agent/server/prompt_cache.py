@@ -175,7 +175,7 @@ class PromptUsage(NamedTuple):
     # decoding: the exact prefill, the same as prefilled_tokens)
     fallback_tokens: int = 0
     # the deviation from this context that repair measured and left unrecomputed, the largest
-    # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin grows with
+    # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin scales with
     repair_residual: float = 0.0
 
     @property
