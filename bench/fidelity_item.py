@@ -318,9 +318,10 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 # kamera serve's repair method, its code on this placement: the recompute, the guard (its
                 # margin scaled with the deviation left); a fallback costs the exact prefill of
                 # everything after the exact prefix. A margin beyond the cap: the server gives the
-                # repair up before its recompute and answers on exact KV (no recompute counted)
+                # repair up once its layer-1 pass measured it (a pass no cacheblend row counts) and
+                # answers on exact KV, the selected tokens not recomputed
                 margin = guard_margin(config.guard_margin, out.residual, config.residual_unit)
-                given_up = 0 < config.guard_cap < margin
+                given_up = config.residual_unit > 0 and 0 < config.guard_cap < margin
                 tokens, moved = guarded_answer(
                     adapter,
                     (out.k, out.v),

@@ -10,9 +10,9 @@ moves them and recomputes the share of their tokens that deviates most in this c
 decodes under the server's guard: documents that bind to new neighbours stay far from their
 context after repair, so a call too close for that moves decoding to exact KV (``fallback``
 counts the tokens prefilled again), and a repair that would leave them too far off to decode on
-at all (``residual``) is given up for an exact prefill before it runs. A full prefill of the
-reordered prompt is the reference: the table shows what each mode reused, recomputed and
-answered, and whether the answer is the full prefill's.
+at all (``residual``) is given up for an exact prefill once measured, before its recompute. A
+full prefill of the reordered prompt is the reference: the table shows what each mode reused,
+recomputed and answered, and whether the answer is the full prefill's.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "KV deviates most in this context recomputed through every layer, then decoded under a "
         "guard that moves to exact KV at a call too close for what the repair left (residual; "
         "fallback: the tokens prefilled again for it; a repair left too far off is given up for "
-        "an exact prefill before it runs); exact: only the exact prefix reused. The server's "
+        "an exact prefill once measured); exact: only the exact prefix reused. The server's "
         "default is set by --reuse-mode.[/]"
     )
     if args.json_path:

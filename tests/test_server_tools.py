@@ -73,8 +73,10 @@ def test_tool_result_in_the_history_and_auto_choice(client: Any) -> None:
     # measures them, and gives them up for exact KV where what it would leave is too far off
     again = client.chat.completions.create(model="m", messages=messages, tools=TOOLS[::-1], max_tokens=1)
     report = again.model_dump()["kamera"]
-    assert report["repair_residual"] > 0.0
-    if report["relocated_tokens"] == 0:
+    if report["relocated_tokens"]:  # repaired: its recompute ran
+        assert report["repaired_tokens"] > 0
+    else:  # given up on what it measured: an exact prefill, counted as a fallback
+        assert report["repair_residual"] > 0.0
         assert report["fallback_tokens"] == report["prefilled_tokens"] > 0
     blind = client.chat.completions.create(
         model="m", messages=messages, tools=TOOLS[::-1], max_tokens=1, extra_body={"kamera_reuse": "fast"}

@@ -16,7 +16,8 @@ the repair left, ``PromptUsage.repair_residual``): ``repair_margin`` at a residu
 largest first-token logit-gap error that ``kamera bench consistency --repair-margin 0`` measured
 on the dev half, per unit of residual (``margin_scale``; ``docs/consistency.md``). A repair
 whose residual calls for a margin beyond ``repair_margin_cap`` is not decoded at all: the prompt
-cache gives it up before its recompute and prepares the prompt exact (``prompt_cache.py``).
+cache gives it up once the selection layer has measured it, before any token runs on through the
+later layers, and prepares the prompt exact (``prompt_cache.py``).
 """
 
 from __future__ import annotations

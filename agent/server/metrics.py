@@ -130,7 +130,8 @@ class Metrics:
             "kamera_prompt_tokens_by_reuse",
             "Chat prompt tokens by reuse mode and what happened to them: reused exactly, reused by "
             "content and repaired, reused by content as stored, recomputed, and prefilled again "
-            "when a close call on repaired KV moved decoding to exact KV (fallback)",
+            "when a close call on repaired KV moved decoding to exact KV, or prefilled exact for a "
+            "repair given up (fallback; then the same tokens as recomputed)",
             ["mode", "how"],
             registry=r,
         )

@@ -111,8 +111,9 @@ class PromptCacheConfig:
     residual / unit, so pieces that bind to new or reordered neighbours need clearer calls to keep
     their repaired KV and pieces barely touched keep theirs (unit 0: the margin as set, always).
     A piece whose repair could not measure (no recompute ran) counts as the unit.
-    repair_margin_cap: a repair whose residual calls for a larger margin is given up before its
-    recompute and the prompt is prepared exact at once (0: never given up)."""
+    repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
+    selection layer has measured it, before any token runs on through the later layers, and the
+    prompt is prepared exact at once (0: never given up)."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -270,6 +271,7 @@ class PromptCache:
         logits: torch.Tensor | None = None
         exact_units = 0
         residual = 0.0
+        given_up: float | None = None
         for step in steps:
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
             if step.parts:
@@ -294,7 +296,8 @@ class PromptCache:
             if repair:
                 done = self._repair(prompt, cache, repair)
                 if done.residual > self.config.give_up_residual:
-                    return self._exact_instead(prompt, tenant_salt, done.residual)
+                    given_up = done.residual
+                    break
                 counts["repaired"] += done.tokens
                 measured = done.tokens > 0 or done.residual > 0
                 residual = max(residual, done.residual if measured else self.config.repair_residual_unit)
@@ -320,6 +323,9 @@ class PromptCache:
                 if last:
                     logits = out.logits[-1]
             exact_units = step.end if exact else exact_units
+        if given_up is not None:  # the abandoned attempt's KV let go before the exact one is built
+            cache = window = placed = rows = None  # type: ignore[assignment]
+            return self._exact_instead(prompt, tenant_salt, given_up, encoder_before)
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
         usage = PromptUsage(
@@ -338,12 +344,18 @@ class PromptCache:
         position = int(prompt.pos_off[-1])
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
-    def _exact_instead(self, prompt: Prompt, tenant_salt: str, residual: float) -> Prepared:
+    def _exact_instead(
+        self, prompt: Prompt, tenant_salt: str, residual: float, encoder_before: int
+    ) -> Prepared:
         """A repair given up (its residual beyond ``give_up_residual``): the prompt prepared exact,
-        its usage in repair mode with the exact prefill counted as a fallback."""
+        its usage in repair mode with the exact prefill counted as a fallback and the vision
+        encoder runs of both attempts."""
         prepared = self.prepare(prompt, tenant_salt, "exact")
         prepared.usage = prepared.usage._replace(
-            mode="repair", fallback_tokens=prepared.usage.prefilled_tokens, repair_residual=residual
+            mode="repair",
+            fallback_tokens=prepared.usage.prefilled_tokens,
+            repair_residual=residual,
+            vision_encoder_calls=encoder_calls(self.adapter) - encoder_before,
         )
         return prepared
 

@@ -224,7 +224,9 @@ class CacheReport(BaseModel):
     lost_entries: int
     vision_encoder_calls: int
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
-    fallback_tokens: int = 0  # prefilled again when a close call on repaired KV moved decoding to exact KV
+    # prefilled again when a close call on repaired KV moved decoding to exact KV (a repair given
+    # up: the exact prefill, the same tokens as prefilled_tokens)
+    fallback_tokens: int = 0
     repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
     queue_ms: float
     ttft_ms: float

@@ -155,7 +155,7 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
     metrics.rotated_tokens.labels("chat").inc(u.rotated_tokens)
     metrics.lost_entries.inc(u.lost_entries)
     metrics.tier_tokens.labels("redis").inc(u.shared_tokens)
-    if u.repaired_tokens:
+    if u.mode == "repair" and u.repair_residual > 0:  # repaired, or given up on what it measured
         metrics.repair_residual.observe(u.repair_residual)
     metrics.queue_wait.observe(started - arrival)
     metrics.ttft.labels("chat").observe(started - arrival + outcome.ttft_s)
