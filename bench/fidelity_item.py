@@ -320,8 +320,13 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 # everything after the exact prefix. A margin beyond the cap: the server gives the
                 # repair up once its layer-1 pass measured it (a pass no cacheblend row counts) and
                 # answers on exact KV, the selected tokens not recomputed
+                server = PromptCacheConfig(
+                    repair_margin=config.guard_margin,
+                    repair_residual_unit=config.residual_unit,
+                    repair_margin_cap=config.guard_cap,
+                )
                 margin = guard_margin(config.guard_margin, out.residual, config.residual_unit)
-                given_up = config.residual_unit > 0 and 0 < config.guard_cap < margin
+                given_up = out.residual > server.give_up_residual
                 tokens, moved = guarded_answer(
                     adapter,
                     (out.k, out.v),

@@ -38,6 +38,23 @@ def _session() -> Session:
     return Session("s", tuple(requests))
 
 
+def _replay(llama: Any, policy: str, modes: list[Any], config: PromptCacheConfig) -> dict[str, Any]:
+    """The session's three requests replayed under ``policy``, 4 greedy tokens each."""
+    rows, _ = replay(
+        llama,
+        [_session()],
+        policy,
+        modes,
+        config,
+        SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2),
+        max_requests=3,
+        max_prompt_tokens=10_000,
+        store_bytes=64 << 20,
+        log=lambda *_: None,
+    )
+    return rows
+
+
 def test_seen_tokens_are_the_prompt_outside_new_messages() -> None:
     tok, seen = ByteTokenizer(), set()
     first = [Message("system", ("abc",)), Message("user", ("hello",))]
@@ -48,19 +65,7 @@ def test_seen_tokens_are_the_prompt_outside_new_messages() -> None:
 
 
 def test_replay_exact_mode_keeps_every_answer(llama: Any) -> None:
-    config = PromptCacheConfig(block_tokens=64)
-    rows, _ = replay(
-        llama,
-        [_session()],
-        "append",
-        ["exact", "repair"],
-        config,
-        SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2),
-        max_requests=3,
-        max_prompt_tokens=10_000,
-        store_bytes=64 << 20,
-        log=lambda *_: None,
-    )
+    rows = _replay(llama, "append", ["exact", "repair"], PromptCacheConfig(block_tokens=64))
     exact = summarize(rows["exact"])
     assert exact["requests"] == 3
     assert exact["requests_with_hits"] == 2
@@ -78,18 +83,7 @@ def test_gap_error_and_margin_scale_read_what_repair_left(llama: Any) -> None:
     (the window policy moves the reused turns), and covers each of them."""
     assert gap_error(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([3.5, 2.0, 9.0])) == pytest.approx(-0.5)
     config = PromptCacheConfig(block_tokens=64, min_reuse_tokens=8, repair_margin=0.0)
-    rows, _ = replay(
-        llama,
-        [_session()],
-        "window-1",
-        ["repair"],
-        config,
-        SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2),
-        max_requests=3,
-        max_prompt_tokens=10_000,
-        store_bytes=64 << 20,
-        log=lambda *_: None,
-    )
+    rows = _replay(llama, "window-1", ["repair"], config)
     report = summarize(rows["repair"])
     watched = [r for r in rows["repair"] if r.cached.usage.relocated_tokens]
     assert watched, "the window moved nothing: nothing to read"

@@ -110,7 +110,7 @@ class PromptCacheConfig:
     deviation a repair left) of repair_residual_unit; the margin scales with the square root of
     residual / unit, so pieces that bind to new or reordered neighbours need clearer calls to keep
     their repaired KV and pieces barely touched keep theirs (unit 0: the margin as set, always).
-    A piece whose repair could not measure (no recompute ran) counts as the unit.
+    A piece whose repair could not measure (no recompute ran) reports the unit.
     repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
     selection layer has measured it, before any token runs on through the later layers, and the
     prompt is prepared exact at once (0: never given up)."""
@@ -299,8 +299,7 @@ class PromptCache:
                     given_up = done.residual
                     break
                 counts["repaired"] += done.tokens
-                measured = done.tokens > 0 or done.residual > 0
-                residual = max(residual, done.residual if measured else self.config.repair_residual_unit)
+                residual = max(residual, done.residual)
                 repair = []
             exact = exact_units == step.start
             # segments make a prefill exact; after reused content nothing is, so the rest runs in
@@ -362,13 +361,15 @@ class PromptCache:
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> Repaired:
         """Recompute, through every layer, the most deviating tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
-        Returns the tokens recomputed and the deviation left; nothing where the adapter cannot
-        (images, MLA)."""
+        Returns the tokens recomputed and the deviation left; where nothing can be recomputed
+        (no ratio, images, MLA) nothing is measured either, and the residual reported is the unit
+        (the guard's margin as set)."""
         ratio = self.config.repair_ratio
+        unmeasured = Repaired(0, self.config.repair_residual_unit)
         if ratio <= 0 or not self.adapter.supports_recompute:
-            return Repaired(0, 0.0)
+            return unmeasured
         if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
-            return Repaired(0, 0.0)
+            return unmeasured
         n = self.adapter.cache_length(cache)
         ids = ids_upto(prompt, n)
         candidates = torch.cat(
