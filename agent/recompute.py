@@ -45,9 +45,13 @@ class DeviationSelection:
     """CacheBlend: recompute the ``ratio`` share of ``candidates`` deviating most at ``layer``.
 
     candidates: token indices that may be chosen (the reused chunks; a pinned prefix whose KV
-    is exact need not be). At least one token is chosen when ``ratio > 0``. max_residual: when
-    the deviation the choice would leave (:class:`Repaired`) exceeds it, nothing runs past the
-    selection layer (the repair is given up: what it would leave is too far to use).
+    is exact need not be). At least one token is chosen when ``ratio > 0``. max_ratio and
+    target_residual: the choice grows past ``ratio``, most deviating first, until the deviation
+    it leaves (:class:`Repaired`) is at most ``target_residual`` or it holds the ``max_ratio``
+    share (default: ``ratio``, no growth): a piece barely touched by its new context pays the
+    least, one bound to new neighbours pays more before anything is given up. max_residual: when
+    the deviation the choice would leave exceeds it, nothing runs past the selection layer (the
+    repair is given up: what it would leave is too far to use).
     """
 
     ratio: float
@@ -55,6 +59,8 @@ class DeviationSelection:
     layer: int = 1
     deviation: Deviation = "v"
     max_residual: float = float("inf")
+    max_ratio: float | None = None
+    target_residual: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -65,11 +71,41 @@ class DeviationSelection:
             raise ValueError(f"deviation must be 'v' or 'kv', got {self.deviation!r}")
         if not self.max_residual >= 0.0:
             raise ValueError(f"max_residual must be >= 0, got {self.max_residual}")
+        if self.max_ratio is not None and not self.ratio <= self.max_ratio <= 1.0:
+            raise ValueError(f"max_ratio must lie in [ratio, 1] = [{self.ratio}, 1], got {self.max_ratio}")
+        if not self.target_residual >= 0.0:
+            raise ValueError(f"target_residual must be >= 0, got {self.target_residual}")
 
     @property
     def count(self) -> int:
+        """Tokens chosen at least (the ``ratio`` share)."""
+        return self._share(self.ratio)
+
+    @property
+    def most(self) -> int:
+        """Tokens chosen at most (the ``max_ratio`` share)."""
+        return self._share(self.ratio if self.max_ratio is None else self.max_ratio)
+
+    def _share(self, ratio: float) -> int:
         n = int(self.candidates.numel())
-        return min(n, max(1, round(self.ratio * n))) if self.ratio > 0 else 0
+        return min(n, max(1, round(ratio * n))) if ratio > 0 else 0
+
+    def choose(self, dev: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The candidates kept (a bool mask over ``dev``, each candidate's deviation at the
+        selection layer) and the residual they leave: the fewest from :attr:`count` up to
+        :attr:`most`, most deviating first, that leave at most ``target_residual`` of
+        ``energy`` (all :attr:`most` when none do)."""
+        order = torch.argsort(dev.double(), descending=True)
+        taken = torch.cumsum(dev.double()[order], 0)
+        # left[k]: the deviation left when the k most deviating are kept, k = 0..n
+        left = (taken[-1] - torch.cat([taken.new_zeros(1), taken])).clamp_min(0.0)
+        left = left / float(energy.double().clamp_min(1e-30))
+        lo, hi = self.count, self.most
+        within = torch.nonzero(left[lo : hi + 1] <= self.target_residual)
+        k = lo + int(within[0]) if within.numel() else hi
+        keep = torch.zeros(dev.numel(), dtype=torch.bool)
+        keep[order[:k].cpu()] = True
+        return keep, float(left[k])
 
 
 @dataclass(frozen=True)
@@ -202,9 +238,7 @@ def _recompute(
     if selection.deviation == "kv":
         dev = dev + (fresh.k - saved_k).square().sum(dim=(0, 2))
         energy = energy + fresh.k.square().sum()
-    keep = torch.zeros(rows.numel(), dtype=torch.bool)
-    keep[torch.topk(dev, selection.count).indices.cpu()] = True
-    residual = float(dev[~keep.to(dev.device)].sum() / energy.clamp_min(1e-30))
+    keep, residual = selection.choose(dev, energy)
     if residual > selection.max_residual:  # given up: every row gets its reused KV back here
         keep[:] = False
     drop = (~keep).to(k_layer.device)

@@ -267,6 +267,7 @@ def replay(
                     f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
                     f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
                     f" residual {cached.usage.repair_residual:.1e}"
+                    f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
                 )
             if peer is not None:
                 got = peer.request(s.id, step, prompt.units.tolist(), params.max_tokens)
@@ -294,6 +295,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=PromptCacheConfig.block_tokens)
     p.add_argument("--min-reuse-tokens", type=int, default=PromptCacheConfig.min_reuse_tokens)
     p.add_argument("--repair-ratio", type=float, default=PromptCacheConfig.repair_ratio)
+    p.add_argument(
+        "--repair-max-ratio",
+        type=float,
+        default=PromptCacheConfig.repair_max_ratio,
+        help="a repair leaving more than the residual unit recomputes more, up to this share",
+    )
     p.add_argument(
         "--repair-margin",
         type=float,
@@ -339,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_tokens=args.block_tokens,
         min_reuse_tokens=args.min_reuse_tokens,
         repair_ratio=args.repair_ratio,
+        repair_max_ratio=args.repair_max_ratio,
         repair_margin=args.repair_margin,
         repair_residual_unit=args.repair_residual_unit,
         repair_margin_cap=args.repair_margin_cap,
@@ -356,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "block_tokens": config.block_tokens,
             "min_reuse_tokens": config.min_reuse_tokens,
             "repair_ratio": config.repair_ratio,
+            "repair_max_ratio": config.repair_max_ratio,
             "repair_margin": config.repair_margin,
             "repair_residual_unit": config.repair_residual_unit,
             "repair_margin_cap": config.repair_margin_cap,

@@ -295,21 +295,35 @@ class ContentIndex:
         return self._insert(key, token_bytes(tokens), payload, source_start)
 
     def insert_many(
-        self, keys: Sequence[ContentKey], tokens: TokenIds, spans: Sequence[tuple[int, int]], payload: object
+        self,
+        keys: Sequence[ContentKey],
+        tokens: TokenIds,
+        spans: Sequence[tuple[int, int]],
+        payload: object,
+        refresh: bool = False,
     ) -> list[Lookup]:
-        """``insert(keys[i], tokens[s:e], payload, s)`` for each ``(s, e) = spans[i]``; tokens [T]."""
+        """``insert(keys[i], tokens[s:e], payload, s)`` for each ``(s, e) = spans[i]``; tokens [T].
+        refresh: an existing entry with the same tokens is pointed at ``payload`` (and its start
+        there) instead of kept as it was."""
         data = token_bytes(tokens)
         return [
-            self._insert(k, data[8 * s : 8 * e], payload, s) for k, (s, e) in zip(keys, spans, strict=True)
+            self._insert(k, data[8 * s : 8 * e], payload, s, refresh)
+            for k, (s, e) in zip(keys, spans, strict=True)
         ]
 
-    def _insert(self, key: ContentKey, chunk: bytes, payload: object, source_start: int) -> Lookup:
+    def _insert(
+        self, key: ContentKey, chunk: bytes, payload: object, source_start: int, refresh: bool = False
+    ) -> Lookup:
         check = self._check(chunk)
         old = self._entries.get(key.digest)
         if old is not None:
             if old.check != check:
                 self.stats.collisions += 1
                 return _COLLISION
+            if refresh:
+                old = ContentEntry(old.key, old.n_tokens, old.check, payload, source_start)
+                self._entries[key.digest] = old
+                self._entries.move_to_end(key.digest)
             return Lookup("hit", old)
         entry = ContentEntry(key, len(chunk) // 8, check, payload, source_start)
         self._entries[key.digest] = entry

@@ -162,21 +162,25 @@ class Planner:
         tokens: Sequence[int] | np.ndarray | torch.Tensor,
         payload: object,
         prefix_len: int | None = None,
+        refresh: bool = False,
     ) -> CommitResult:
         """Record that ``payload`` now holds the KV of all of ``tokens`` (the planned prompt).
 
         Misses and prefix pieces become content entries at their positions in ``payload``;
         relocated hits keep their existing entries. ``prefix_len``: only the first tokens enter
         the radix tree (those whose KV is what a full prefill computes); all by default.
+        refresh: every chunk, relocated hits and chunks already indexed included, points at
+        ``payload`` from now on (the prompt seen last holds each chunk beside the neighbours it
+        has now, so runs of chunks found there lie end to end as they did).
         """
         ids = as_token_array(tokens)
         if len(ids) != plan.n_tokens:
             raise ValueError(f"plan covers {plan.n_tokens} tokens, got {len(ids)}")
         n = len(ids) if prefix_len is None else max(0, min(prefix_len, len(ids)))
         ins = self.radix.insert(RadixKey(ids[:n], self._root_key), payload) if n else None
-        stored = [c for c in plan.chunks if c.status != "relocated-hit"]
+        stored = [c for c in plan.chunks if refresh or c.status != "relocated-hit"]
         done = self.index.insert_many(
-            [c.key for c in stored], ids, [(c.start, c.end) for c in stored], payload
+            [c.key for c in stored], ids, [(c.start, c.end) for c in stored], payload, refresh
         )
         statuses = [r.status for r in done]
         new = ins.new_tokens if ins is not None else 0

@@ -68,3 +68,16 @@ def test_agent_names_no_demo_or_benchmark() -> None:
         if pattern.search(line)
     ]
     assert not hits, "\n".join(hits)
+
+
+def test_serve_defaults_are_the_prompt_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kamera serve`` spells its defaults out (its parser imports no torch); they are the
+    prompt cache's own, and each ``KAMERA_*`` variable sets its flag."""
+    from agent.server import cli as serve_cli
+    from agent.server.prompt_cache import PromptCacheConfig
+
+    fields = ("mode", "repair_ratio", "repair_max_ratio", "repair_margin", "repair_residual_unit", "repair_margin_cap")
+    got = serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(PromptCacheConfig(), f) for f in fields}
+    monkeypatch.setenv("KAMERA_REPAIR_MAX_RATIO", "0.4")
+    assert serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache.repair_max_ratio == 0.4

@@ -131,6 +131,24 @@ def test_content_index_batch_calls_equal_one_at_a_time(verify: str) -> None:
     assert list(one._entries) == list(many._entries)  # same LRU order
 
 
+def test_a_refreshing_insert_points_an_entry_at_the_latest_payload() -> None:
+    """Without refresh the first payload stays; with it, the same tokens point where they were
+    seen last (and that entry is the most recently used); other tokens are still refused."""
+    tok = np.arange(40)
+    key = token_key(NS, tok[10:20])
+    idx = ContentIndex()
+    idx.insert(key, tok[10:20], "first", 10)
+    idx.insert(token_key(NS, tok[:5]), tok[:5], "x", 0)
+    assert idx.insert_many([key], tok, [(10, 20)], "second")[0].entry.payload == "first"
+    shifted = np.concatenate([[99] * 5, tok])  # the same ten tokens, five later
+    got = idx.insert_many([key], shifted, [(15, 25)], "third", refresh=True)[0]
+    assert got.status == "hit" and (got.entry.payload, got.entry.source_start) == ("third", 15)
+    assert idx.lookup(key, tok[10:20]).entry.payload == "third"
+    assert list(idx._entries)[-1] == key.digest
+    assert idx.insert_many([key], tok + 1, [(10, 20)], "evil", refresh=True)[0].status == "collision"
+    assert idx.lookup(key, tok[10:20]).entry.payload == "third"
+
+
 def test_content_index_lru_bound() -> None:
     idx = ContentIndex(max_entries=2)
     ks = [token_key(NS, [i]) for i in range(3)]

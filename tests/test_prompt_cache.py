@@ -15,9 +15,11 @@ from agent.adapters.base import ImageInput
 from agent.adapters.loading import load_adapter
 from agent.server.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
 from agent.server.generation import Sampler, SamplingParams, TextStream, decode
+from agent.server.prompt import PromptKeys, Record
 from agent.server.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
+from agent.server.reuse import follow_runs, run_tokens
 from cache.cdc import CDCConfig
-from cache.planner import PlannerConfig
+from cache.planner import PlannedChunk, PlannerConfig
 from cache.store import StoreConfig, TieredStore
 
 DOC = " ".join(f"line {i} says {i * i}." for i in range(60))
@@ -169,6 +171,72 @@ def test_repair_recomputes_small_pieces_and_repairs_large_ones(llama: Any) -> No
     err_fast = float((fast.logits - reference).abs().max())
     err_repair = float((repair.logits - reference).abs().max())
     assert err_repair < err_fast
+
+
+def test_a_conversation_after_a_changed_header_reuses_its_last_turn_whole(llama: Any) -> None:
+    """A system header that changes each request (a clock) moves all that follows; the turn that
+    ended the last prompt, cut in template fragments and a question each too short to reuse
+    alone and in a last chunk cut where that prompt ended, is reused whole: the chunks lay end
+    to end there and still do."""
+    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin_cap=0.0))
+    turn = [Message("user", ("What does line 3 say?",))]
+    first = prompt_of(pc, [Message("system", (f"Time 1.\n{DOC}",)), *turn])
+    pc.commit(pc.prepare(first))
+    later = [Message("system", (f"Time 12:00:01.\n{DOC}",)), *turn]
+    later += [Message("assistant", ("It says 9.",)), Message("user", ("And line 4?",))]
+    prompt = prompt_of(pc, later)
+    shift = len("Time 12:00:01.") - len("Time 1.")  # one unit per byte
+    tail = range(first.n_tokens - 40 + shift, first.n_tokens + shift)  # the question and its template
+    for mode in ("repair", "fast"):
+        warm = pc.prepare(prompt, mode=mode)
+        reused = {u for row, kv in warm.rows if kv is None for u in range(row.start, row.end)}
+        assert set(tail) <= reused, mode
+        assert warm.usage.relocated_tokens > len(DOC)
+
+
+def test_runs_are_followed_in_the_prompt_they_came_from(llama: Any) -> None:
+    """After a hit from a record, a chunk holding the same units right after it there is taken
+    from there (found elsewhere or missed); a miss alike for only its first units is split there;
+    other chunks, and those after an exact prefix, are left as they are. Run sizes sum only what
+    lies end to end in one record."""
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Now"))
+    units = prompt.units
+    ctx = PromptKeys(prompt, pc.namespace(""))
+    rec = Record((), prompt.tok_off, prompt.pos_off, 0, np.concatenate([[7, 7], units[:40]]))
+    other = Record((), prompt.tok_off, prompt.pos_off, 0, units.copy())
+
+    def chunk(a: int, b: int, status: str, src: int | None = None, payload: Any = None) -> PlannedChunk:
+        return PlannedChunk(a, b, ctx.content_key(a, b), status, src, payload)  # type: ignore[arg-type]
+
+    planned = [
+        chunk(0, 10, "relocated-hit", 2, rec),  # rec holds units[:40] at 2..42
+        chunk(10, 14, "relocated-hit", 10, other),  # the same units found elsewhere
+        chunk(14, 20, "miss"),
+        chunk(20, 50, "miss"),  # rec ends 20 units in
+        chunk(50, 60, "miss"),
+    ]
+    out = follow_runs(prompt, ctx, planned)
+    assert [(c.start, c.end, c.status, c.source_start) for c in out] == [
+        (0, 10, "relocated-hit", 2),
+        (10, 14, "relocated-hit", 12),
+        (14, 20, "relocated-hit", 16),
+        (20, 40, "relocated-hit", 22),
+        (40, 50, "miss", None),
+        (50, 60, "miss", None),
+    ]
+    assert all(c.payload is rec for c in out[:4])
+    assert out[3].key == ctx.content_key(20, 40) and out[4].key == ctx.content_key(40, 50)
+    runs = run_tokens(prompt, out, 0)
+    assert runs[:4] == [int(prompt.tok_off[40] - prompt.tok_off[0])] * 4
+    assert runs[4:] == [10, 10]
+    # other units right after the run, or a prefix before it: nothing changes
+    moved = Record((), prompt.tok_off, prompt.pos_off, 0, np.concatenate([[7, 7], units[:10], [3] * 30]))
+    kept = [chunk(0, 10, "relocated-hit", 2, moved), chunk(10, 14, "relocated-hit", 10, other)]
+    assert follow_runs(prompt, ctx, kept) == kept
+    assert run_tokens(prompt, kept, 0) == [10, 4]
+    after_prefix = [chunk(0, 10, "prefix-hit"), chunk(10, 14, "miss")]
+    assert follow_runs(prompt, ctx, after_prefix) == after_prefix
 
 
 def test_after_reused_content_the_rest_runs_in_one_pass(llama: Any, monkeypatch: Any) -> None:

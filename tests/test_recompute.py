@@ -158,6 +158,48 @@ def test_a_repair_that_would_leave_too_much_runs_nothing_past_its_selection_laye
         DeviationSelection(0.25, candidates, max_residual=float("nan"))
 
 
+def test_a_selection_grows_until_what_it_leaves_meets_its_target(llama: ModelAdapter) -> None:
+    """Past ``ratio``, most deviating first, the fewest tokens that leave at most
+    ``target_residual``; all of ``max_ratio`` when none do; none beyond ``ratio`` when the floor
+    already meets the target or no ``max_ratio`` is given. The same rows as a fixed selection of
+    that size, and the same KV."""
+    ids, _, _, k, v = _setup(llama)
+    positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
+    fixed = {
+        n: selective_recompute(llama, ids, positions, k, v, DeviationSelection(n / candidates.numel(), candidates))
+        for n in range(1, candidates.numel() + 1)
+    }
+    left = [fixed[n].residual for n in sorted(fixed)]
+    assert all(a >= b for a, b in zip(left, left[1:], strict=False))
+    floor, most = 0.1, 0.75
+    lo, hi = DeviationSelection(floor, candidates).count, DeviationSelection(most, candidates).count
+    # a target met somewhere between the floor and the most: the first count meeting it
+    want = next(n for n in range(lo, hi + 1) if fixed[n].residual <= fixed[lo + 3].residual)
+    grown = selective_recompute(
+        llama,
+        ids,
+        positions,
+        k,
+        v,
+        DeviationSelection(floor, candidates, max_ratio=most, target_residual=fixed[lo + 3].residual),
+    )
+    assert grown.selected.numel() == want > lo
+    assert torch.equal(grown.selected, fixed[want].selected)
+    assert grown.residual == pytest.approx(fixed[want].residual, rel=1e-6)
+    assert torch.equal(grown.k, fixed[want].k) and torch.equal(grown.v, fixed[want].v)
+    # unreachable within max_ratio: all of it; met at the floor or no max_ratio: the floor
+    capped = DeviationSelection(floor, candidates, max_ratio=most, target_residual=0.0)
+    assert selective_recompute(llama, ids, positions, k, v, capped).selected.numel() == hi
+    met = DeviationSelection(floor, candidates, max_ratio=most, target_residual=1.0)
+    assert selective_recompute(llama, ids, positions, k, v, met).selected.numel() == lo
+    unset = DeviationSelection(floor, candidates, target_residual=0.0)
+    assert selective_recompute(llama, ids, positions, k, v, unset).selected.numel() == lo
+    with pytest.raises(ValueError, match="max_ratio"):
+        DeviationSelection(0.5, candidates, max_ratio=0.25)
+    with pytest.raises(ValueError, match="target_residual"):
+        DeviationSelection(0.5, candidates, target_residual=-1.0)
+
+
 def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None:
     """The model cache's own tensors take the recomputed rows (no copy of the context): the same
     result as on buffers, the same storage before and after, and the tokens not chosen untouched."""

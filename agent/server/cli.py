@@ -59,6 +59,20 @@ def parser() -> argparse.ArgumentParser:
         "content reuse repaired, or content reuse blind",
     )
     store.add_argument(
+        "--repair-ratio",
+        type=float,
+        default=float(_env("repair_ratio", "0.15")),
+        help="repair: the least share of a reused piece's tokens recomputed through every layer, "
+        "those whose layer-1 KV deviates most in this context",
+    )
+    store.add_argument(
+        "--repair-max-ratio",
+        type=float,
+        default=float(_env("repair_max_ratio", "0.15")),
+        help="repair: the share grows up to this while what it leaves calls for a wider guard "
+        "margin than --repair-margin",
+    )
+    store.add_argument(
         "--repair-margin",
         type=float,
         default=float(_env("repair_margin", "0.5")),
@@ -179,6 +193,8 @@ def build_config(args: argparse.Namespace) -> Any:
         ),
         prompt_cache=PromptCacheConfig(
             mode=args.reuse_mode,
+            repair_ratio=args.repair_ratio,
+            repair_max_ratio=args.repair_max_ratio,
             repair_margin=args.repair_margin,
             repair_residual_unit=args.repair_residual_unit,
             repair_margin_cap=args.repair_margin_cap,

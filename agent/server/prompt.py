@@ -148,13 +148,15 @@ class TableRow(NamedTuple):
 
 @dataclass(eq=False)
 class Record:
-    """A committed prompt: where the KV of each unit span lives, its unit offsets, and how many
-    leading units hold KV exactly as a full prefill computes it."""
+    """A committed prompt: where the KV of each unit span lives, its unit offsets, how many
+    leading units hold KV exactly as a full prefill computes it, and its units (to follow a run
+    of reused chunks on past the chunks the index found; None where not kept)."""
 
     table: tuple[TableRow, ...]
     tok_off: np.ndarray
     pos_off: np.ndarray
     exact_units: int
+    units: np.ndarray | None = None
 
 
 class PromptKeys:

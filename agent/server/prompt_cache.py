@@ -24,11 +24,14 @@ Modes (``ReuseMode``, per request, a server default):
 
 - ``exact``: only the exact prefix is reused; the answer is the full prefill's, bit for bit.
 - ``repair``: the exact prefix, then chunks found by content at moved positions or after other
-  antecedents, reused where the piece is large enough to keep its meaning (``min_reuse_tokens``)
-  and repaired by recomputing, through every layer, the share of its tokens whose layer-1 KV
-  deviates most from what this context gives them (``repair_ratio``; CacheBlend's signal,
-  computed against the new context, never from this prompt's full prefill). Smaller pieces,
-  template fragments among them, are recomputed: their KV is mostly conditioning.
+  antecedents, reused where the piece is large enough to keep its meaning (``min_reuse_tokens``;
+  chunks that lay end to end in one earlier prompt and still do count as one piece) and
+  repaired by recomputing, through every layer, the share of its tokens whose layer-1 KV
+  deviates most from what this context gives them (``repair_ratio``, growing to
+  ``repair_max_ratio`` while what it leaves calls for a wider guard margin than
+  ``repair_margin``; CacheBlend's signal, computed against the new context, never from this
+  prompt's full prefill). Smaller pieces, template fragments among them, are recomputed: their
+  KV is mostly conditioning.
 - ``fast``: every content hit reused blind (relocated by rotation only).
 
 Stored: each prefill segment's KV under a key of its content *and its whole context*
@@ -104,7 +107,10 @@ class PromptCacheConfig:
     rope_kernel: rotation kernel (``cache.rope.KERNELS``). max_tenants: planners kept.
     mode: the default reuse mode (module docstring). block_tokens: prefill segment size, the
     granularity of exact reuse. min_reuse_tokens: ``repair`` recomputes content hits shorter
-    than this. repair_ratio: share of a repaired piece's tokens recomputed. repair_margin: a
+    than this (a run of hits laid end to end as in the prompt they came from counts whole).
+    repair_ratio: share of a repaired piece's tokens recomputed at least; repair_max_ratio: at
+    most, the share growing, most deviating first, until the residual left is at most
+    repair_residual_unit (where the guard's margin is repair_margin). repair_margin: a
     greedy step on repaired KV whose best two logits lie closer than this moves decoding to the
     exact KV (``answer.py``; 0: never), at a residual (``PromptUsage.repair_residual``, the
     deviation a repair left) of repair_residual_unit; the margin scales with the square root of
@@ -127,6 +133,7 @@ class PromptCacheConfig:
     repair_margin: float = 0.5
     repair_residual_unit: float = 3.4e-6
     repair_margin_cap: float = 3.0
+    repair_max_ratio: float = 0.15
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -146,6 +153,8 @@ class PromptCacheConfig:
             )
         if not 0.0 <= self.repair_margin_cap < float("inf"):
             raise ValueError(f"repair_margin_cap must be a finite number >= 0, got {self.repair_margin_cap}")
+        if not 0.0 <= self.repair_max_ratio <= 1.0:
+            raise ValueError(f"repair_max_ratio must lie in [0, 1], got {self.repair_max_ratio}")
 
     @property
     def give_up_residual(self) -> float:
@@ -376,7 +385,13 @@ class PromptCache:
             [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
         )
         positions = torch.arange(n, dtype=torch.int64)
-        selection = DeviationSelection(ratio, candidates, max_residual=self.config.give_up_residual)
+        selection = DeviationSelection(
+            ratio,
+            candidates,
+            max_residual=self.config.give_up_residual,
+            max_ratio=max(ratio, self.config.repair_max_ratio),
+            target_residual=self.config.repair_residual_unit,
+        )
         return recompute_into(self.adapter, cache, ids, positions, selection)
 
     # --- commit: store new segments, index the prompt -----------------------------------
@@ -393,10 +408,16 @@ class PromptCache:
             written += records.put_kv(self.store, row.key, kv, row.tokens)
         prompt = prepared.prompt
         record = Record(
-            tuple(row for row, _ in prepared.rows), prompt.tok_off, prompt.pos_off, prepared.exact_units
+            tuple(row for row, _ in prepared.rows),
+            prompt.tok_off,
+            prompt.pos_off,
+            prepared.exact_units,
+            prompt.units,
         )
         written += self._write_aliases(prepared, record)
-        prepared.planner.commit(prepared.plan, prompt.units, record, prefix_len=prepared.exact_units)
+        prepared.planner.commit(
+            prepared.plan, prompt.units, record, prefix_len=prepared.exact_units, refresh=True
+        )
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:
             self.radix.evict(excess)

@@ -16,6 +16,7 @@ Reused KV comes as *parts* laid end to end, each in the frame it was stored in: 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +31,7 @@ from agent.server.prompt import (
 )
 from cache import records
 from cache.layout import ChunkKV
-from cache.planner import Plan
+from cache.planner import Plan, PlannedChunk
 from cache.store import TieredStore, record_key
 
 
@@ -45,7 +46,8 @@ class Step(NamedTuple):
 
 class Finder:
     """Reads what a prompt may reuse from one store. ``min_reuse_tokens``: content hits shorter
-    than this are recomputed unless the mode is ``fast``."""
+    than this are recomputed unless the mode is ``fast``; hits that continue one another in the
+    same stored prompt count as one (:func:`run_tokens`)."""
 
     def __init__(self, store: TieredStore, min_reuse_tokens: int) -> None:
         self.store, self.min_reuse_tokens = store, min_reuse_tokens
@@ -74,13 +76,15 @@ class Finder:
         steps: list[Step] = []
         if edge > 0:
             steps.append(Step(0, edge, tuple(parts), tuple(rows), 0, True))
-        for c in plan.chunks:
+        chunks = follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else list(plan.chunks)
+        runs = run_tokens(prompt, chunks, edge)
+        for c, run in zip(chunks, runs, strict=True):
             s, e = max(c.start, edge), min(c.end, n_units)
             if s >= e:
                 continue
             if e == n_units:
                 e -= 1
-            big = prompt.tok_off[e] - prompt.tok_off[s] >= self.min_reuse_tokens
+            big = run >= self.min_reuse_tokens
             if mode == "exact" or e <= s or not (mode == "fast" or big) or c.status == "prefix-hit":
                 steps.append(Step(s, c.end, (), (), 0, False))
                 continue
@@ -178,6 +182,71 @@ class Finder:
         if len(tok) != b - a + 1 or len(pos) != b - a + 1:
             return None
         return Record(table, tok, pos, 0)
+
+
+def follow_runs(prompt: Prompt, ctx: PromptKeys, chunks: Sequence[PlannedChunk]) -> list[PlannedChunk]:
+    """The planned chunks with each run of relocated hits followed on in the prompt it came from:
+    a chunk after a hit from a :class:`Record` that holds the same units right after it is taken
+    from there (found elsewhere or not found at all: a fragment repeated all over the prompt, or
+    the last chunk of an earlier prompt, cut where that prompt ended); a missed chunk that does so
+    for only its first units is split there. Exact-prefix chunks are left as they are."""
+    out: list[PlannedChunk] = []
+    for c in chunks:
+        prev = out[-1] if out else None
+        rec = prev.payload if prev is not None and prev.status == "relocated-hit" else None
+        if not isinstance(rec, Record) or rec.units is None or prev is None or prev.source_start is None:
+            out.append(c)
+            continue
+        if c.status == "prefix-hit" or prev.end != c.start:
+            out.append(c)
+            continue
+        src = prev.source_start + prev.n_tokens
+        want = prompt.units[c.start : c.end]
+        have = rec.units[src : src + len(want)]
+        same = int(np.argmin(np.append(want[: len(have)] == have, False)))  # units alike in a row
+        if same == len(want):
+            out.append(c._replace(status="relocated-hit", source_start=src, payload=rec))
+        elif same > 0 and c.status == "miss":
+            cut = c.start + same
+            head = c._replace(end=cut, key=ctx.content_key(c.start, cut), source_start=src, payload=rec)
+            out.append(head._replace(status="relocated-hit"))
+            out.append(c._replace(start=cut, key=ctx.content_key(cut, c.end)))
+        else:
+            out.append(c)
+    return out
+
+
+def run_tokens(prompt: Prompt, chunks: Sequence[PlannedChunk], edge: int) -> list[int]:
+    """For each planned chunk, the prompt tokens after ``edge`` (the exact prefix) and before the
+    last unit of the run it belongs to: relocated hits laid end to end here that lay end to end
+    in the same stored prompt, moved by the same shift (one stretch of an earlier prompt cut in
+    several chunks, reused whole or not at all), or the chunk alone."""
+    last = len(prompt.units) - 1
+
+    def size(c: PlannedChunk) -> int:
+        s, e = max(c.start, edge), min(c.end, last)
+        return int(prompt.tok_off[e] - prompt.tok_off[s]) if e > s else 0
+
+    out: list[int] = []
+    i = 0
+    while i < len(chunks):
+        j = i + 1
+        while j < len(chunks) and continues(chunks[j - 1], chunks[j]):
+            j += 1
+        out += [sum(size(c) for c in chunks[i:j])] * (j - i)
+        i = j
+    return out
+
+
+def continues(a: PlannedChunk, b: PlannedChunk) -> bool:
+    """Whether relocated hit ``b`` continues ``a`` in the prompt and in the same stored one."""
+    return (
+        a.status == b.status == "relocated-hit"
+        and b.payload is a.payload
+        and b.start == a.end
+        and a.source_start is not None
+        and b.source_start == a.source_start + a.n_tokens
+    )
 
 
 def _merge_misses(steps: list[Step]) -> list[Step]:
