@@ -76,7 +76,14 @@ def test_serve_defaults_are_the_prompt_caches(monkeypatch: pytest.MonkeyPatch) -
     from agent.server import cli as serve_cli
     from agent.server.prompt_cache import PromptCacheConfig
 
-    fields = ("mode", "repair_ratio", "repair_max_ratio", "repair_margin", "repair_residual_unit", "repair_margin_cap")
+    fields = (
+        "mode",
+        "repair_ratio",
+        "repair_max_ratio",
+        "repair_margin",
+        "repair_residual_unit",
+        "repair_margin_cap",
+    )
     got = serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache
     assert {f: getattr(got, f) for f in fields} == {f: getattr(PromptCacheConfig(), f) for f in fields}
     monkeypatch.setenv("KAMERA_REPAIR_MAX_RATIO", "0.4")

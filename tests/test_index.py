@@ -142,7 +142,8 @@ def test_a_refreshing_insert_points_an_entry_at_the_latest_payload() -> None:
     assert idx.insert_many([key], tok, [(10, 20)], "second")[0].entry.payload == "first"
     shifted = np.concatenate([[99] * 5, tok])  # the same ten tokens, five later
     got = idx.insert_many([key], shifted, [(15, 25)], "third", refresh=True)[0]
-    assert got.status == "hit" and (got.entry.payload, got.entry.source_start) == ("third", 15)
+    assert got.status == "hit"
+    assert (got.entry.payload, got.entry.source_start) == ("third", 15)
     assert idx.lookup(key, tok[10:20]).entry.payload == "third"
     assert list(idx._entries)[-1] == key.digest
     assert idx.insert_many([key], tok + 1, [(10, 20)], "evil", refresh=True)[0].status == "collision"

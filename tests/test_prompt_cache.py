@@ -226,7 +226,8 @@ def test_runs_are_followed_in_the_prompt_they_came_from(llama: Any) -> None:
         (50, 60, "miss", None),
     ]
     assert all(c.payload is rec for c in out[:4])
-    assert out[3].key == ctx.content_key(20, 40) and out[4].key == ctx.content_key(40, 50)
+    assert out[3].key == ctx.content_key(20, 40)
+    assert out[4].key == ctx.content_key(40, 50)
     runs = run_tokens(prompt, out, 0)
     assert runs[:4] == [int(prompt.tok_off[40] - prompt.tok_off[0])] * 4
     assert runs[4:] == [10, 10]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -166,11 +168,13 @@ def test_a_selection_grows_until_what_it_leaves_meets_its_target(llama: ModelAda
     ids, _, _, k, v = _setup(llama)
     positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
     fixed = {
-        n: selective_recompute(llama, ids, positions, k, v, DeviationSelection(n / candidates.numel(), candidates))
+        n: selective_recompute(
+            llama, ids, positions, k, v, DeviationSelection(n / candidates.numel(), candidates)
+        )
         for n in range(1, candidates.numel() + 1)
     }
     left = [fixed[n].residual for n in sorted(fixed)]
-    assert all(a >= b for a, b in zip(left, left[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(left))
     floor, most = 0.1, 0.75
     lo, hi = DeviationSelection(floor, candidates).count, DeviationSelection(most, candidates).count
     # a target met somewhere between the floor and the most: the first count meeting it
@@ -186,7 +190,8 @@ def test_a_selection_grows_until_what_it_leaves_meets_its_target(llama: ModelAda
     assert grown.selected.numel() == want > lo
     assert torch.equal(grown.selected, fixed[want].selected)
     assert grown.residual == pytest.approx(fixed[want].residual, rel=1e-6)
-    assert torch.equal(grown.k, fixed[want].k) and torch.equal(grown.v, fixed[want].v)
+    assert torch.equal(grown.k, fixed[want].k)
+    assert torch.equal(grown.v, fixed[want].v)
     # unreachable within max_ratio: all of it; met at the floor or no max_ratio: the floor
     capped = DeviationSelection(floor, candidates, max_ratio=most, target_residual=0.0)
     assert selective_recompute(llama, ids, positions, k, v, capped).selected.numel() == hi
