@@ -70,7 +70,9 @@ def test_agent_names_no_demo_or_benchmark() -> None:
     assert not hits, "\n".join(hits)
 
 
-def test_serve_defaults_are_the_prompt_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_defaults_are_the_prompt_caches(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``kamera serve`` spells its defaults out (its parser imports no torch); they are the
     prompt cache's own, and each ``KAMERA_*`` variable sets its flag."""
     from agent.server import cli as serve_cli
@@ -88,3 +90,9 @@ def test_serve_defaults_are_the_prompt_caches(monkeypatch: pytest.MonkeyPatch) -
     assert {f: getattr(got, f) for f in fields} == {f: getattr(PromptCacheConfig(), f) for f in fields}
     monkeypatch.setenv("KAMERA_REPAIR_MAX_RATIO", "0.4")
     assert serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache.repair_max_ratio == 0.4
+    # a variable that is not a number is the flag's usage error, not a traceback
+    monkeypatch.setenv("KAMERA_REPAIR_RATIO", "abc")
+    with pytest.raises(SystemExit) as exc:
+        serve_cli.parser().parse_args([])
+    assert exc.value.code == 2
+    assert "--repair-ratio: invalid float value: 'abc'" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from typing import Any
 
@@ -13,13 +14,14 @@ from PIL import Image
 
 from agent.adapters.base import ImageInput
 from agent.adapters.loading import load_adapter
+from agent.server import reuse
 from agent.server.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
 from agent.server.generation import Sampler, SamplingParams, TextStream, decode
 from agent.server.prompt import PromptKeys, Record
 from agent.server.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
-from agent.server.reuse import follow_runs, run_tokens
+from agent.server.reuse import Finder, follow_runs, run_starts, run_tokens
 from cache.cdc import CDCConfig
-from cache.planner import PlannedChunk, PlannerConfig
+from cache.planner import Plan, PlannedChunk, PlannerConfig
 from cache.store import StoreConfig, TieredStore
 
 DOC = " ".join(f"line {i} says {i * i}." for i in range(60))
@@ -238,6 +240,63 @@ def test_runs_are_followed_in_the_prompt_they_came_from(llama: Any) -> None:
     assert run_tokens(prompt, kept, 0) == [10, 4]
     after_prefix = [chunk(0, 10, "prefix-hit"), chunk(10, 14, "miss")]
     assert follow_runs(prompt, ctx, after_prefix) == after_prefix
+
+
+def test_a_run_is_reused_only_where_what_is_left_of_it_is_large_enough(llama: Any, monkeypatch: Any) -> None:
+    """A run's chunks are fetched and checked one by one: where one is gone, what is left of the
+    run is reused only if it still holds min_reuse_tokens (fast mode reuses any of it)."""
+    pc = make_cache(llama)
+    prompt = prompt_of(pc, chat("Now"))
+    ctx = PromptKeys(prompt, pc.namespace(""), prompt.cuts(pc.config.block_tokens))
+    rec = Record((), prompt.tok_off, prompt.pos_off, 0, np.concatenate([[7, 7], prompt.units[:60]]))
+    planned = tuple(
+        PlannedChunk(a, b, ctx.content_key(a, b), "relocated-hit", a + 2, rec)  # type: ignore[arg-type]
+        for a, b in ((0, 20), (20, 40))
+    )
+    plan = Plan(planned, 0, prompt.n_tokens, ())
+    gone: set[int] = set()
+
+    def fetch(self: Finder, r: Record, a: int, b: int, shift: int) -> Any:
+        return None if a in gone else (["kv"], ())
+
+    monkeypatch.setattr(Finder, "fetch", fetch)
+    monkeypatch.setattr(reuse, "fits", lambda *args: True)
+    finder = Finder(pc.store, min_reuse_tokens=32)
+
+    def reused(mode: str) -> list[tuple[int, int]]:
+        steps, _ = finder.steps(prompt, plan, ctx, mode)
+        return [(st.start, st.end) for st in steps if st.parts]
+
+    assert reused("repair") == [(0, 20), (20, 40)]  # 40 tokens in one run
+    gone.add(2)  # the first chunk's entry is gone: 20 tokens are left of the run
+    assert reused("repair") == []
+    assert reused("fast") == [(20, 40)]
+    gone.clear()
+    gone.add(22)
+    assert reused("repair") == []
+
+
+def test_a_chunk_holding_an_image_is_a_run_of_its_own(qwen_vl: Any) -> None:
+    """Repair does not measure images, so text next to a reused image is not reused on its
+    account: runs stop at a chunk that holds an image."""
+    pc = make_cache(qwen_vl)
+    prompt = prompt_of(pc, [Message("user", ("Look at", Image.new("RGB", (56, 56)), "and say what it is."))])
+    img = next(p for p, inp in enumerate(prompt.inputs) if isinstance(inp, ImageInput))
+    a, b = int(prompt.piece_unit[img]), int(prompt.piece_unit[img + 1])
+    assert prompt.has_image(a, b)
+    assert not prompt.has_image(0, a)
+    assert not prompt.has_image(b, len(prompt.units))
+    ctx = PromptKeys(prompt, pc.namespace(""))
+    rec = Record((), prompt.tok_off, prompt.pos_off, 0, prompt.units.copy())
+    cuts = [0, a - 2, a, b, b + 3, len(prompt.units)]
+    chunks = [
+        PlannedChunk(s, e, ctx.content_key(s, e), "relocated-hit", s, rec)  # type: ignore[arg-type]
+        for s, e in itertools.pairwise(cuts)
+    ]
+    assert run_starts(prompt, chunks) == [0, 0, 2, 3, 3]
+    sizes = run_tokens(prompt, chunks, 0)
+    assert sizes[2] == int(prompt.tok_off[b] - prompt.tok_off[a])
+    assert sizes[3] == int(prompt.tok_off[-2] - prompt.tok_off[b])  # the last unit is never reused
 
 
 def test_after_reused_content_the_rest_runs_in_one_pass(llama: Any, monkeypatch: Any) -> None:

@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=_env("served_model_name", None))
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    p.add_argument("--port", type=int, default=_env("port", 8000))
     p.add_argument("--device", default=_env("device", "cpu"))
     p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default=_env("log_level", "info"))
@@ -46,10 +46,10 @@ def parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=_env("threads", None), help="torch CPU threads (default: torch's)"
     )
     store = p.add_argument_group("store")
-    store.add_argument("--host-bytes", type=int, default=int(_env("host_bytes", 2 << 30)))
-    store.add_argument("--device-bytes", type=int, default=int(_env("device_bytes", 0)))
+    store.add_argument("--host-bytes", type=int, default=_env("host_bytes", 2 << 30))
+    store.add_argument("--device-bytes", type=int, default=_env("device_bytes", 0))
     store.add_argument("--disk-path", default=_env("disk_path", None))
-    store.add_argument("--disk-bytes", type=int, default=int(_env("disk_bytes", 0)))
+    store.add_argument("--disk-bytes", type=int, default=_env("disk_bytes", 0))
     store.add_argument("--store-policy", default=_env("store_policy", "lru"))
     store.add_argument(
         "--reuse-mode",
@@ -61,35 +61,35 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--repair-ratio",
         type=float,
-        default=float(_env("repair_ratio", "0.15")),
+        default=_env("repair_ratio", "0.15"),
         help="repair: the least share of a reused piece's tokens recomputed through every layer, "
         "those whose layer-1 KV deviates most in this context",
     )
     store.add_argument(
         "--repair-max-ratio",
         type=float,
-        default=float(_env("repair_max_ratio", "0.15")),
+        default=_env("repair_max_ratio", "0.15"),
         help="repair: the share grows up to this while what it leaves calls for a wider guard "
-        "margin than --repair-margin",
+        "margin than --repair-margin (at or below --repair-ratio: no growth)",
     )
     store.add_argument(
         "--repair-margin",
         type=float,
-        default=float(_env("repair_margin", "0.5")),
+        default=_env("repair_margin", "0.5"),
         help="repair's guard: a greedy step on repaired KV whose best two logits lie closer than this "
         "moves decoding to exact KV (0: no guard)",
     )
     store.add_argument(
         "--repair-residual-unit",
         type=float,
-        default=float(_env("repair_residual_unit", "3.4e-6")),
+        default=_env("repair_residual_unit", "3.4e-6"),
         help="repair's guard: the deviation a repair leaves (relative, at layer 1) at which the margin "
         "is as set; it scales with the square root of the ratio, up and down (0: the margin as set)",
     )
     store.add_argument(
         "--repair-margin-cap",
         type=float,
-        default=float(_env("repair_margin_cap", "3.0")),
+        default=_env("repair_margin_cap", "3.0"),
         help="repair's guard: a repair whose residual calls for a larger margin is given up and the "
         "prompt prefilled exact at once (0: never)",
     )
@@ -105,15 +105,13 @@ def parser() -> argparse.ArgumentParser:
         default=_env("redis_cluster", "") in ("1", "true", "yes"),
         help="the URL names a Redis Cluster node",
     )
-    shared.add_argument("--redis-ttl-s", type=int, default=int(_env("redis_ttl_s", 24 * 3600)))
-    shared.add_argument(
-        "--redis-max-entry-bytes", type=int, default=int(_env("redis_max_entry_bytes", 64 << 20))
-    )
-    shared.add_argument("--redis-timeout-ms", type=float, default=float(_env("redis_timeout_ms", 250)))
+    shared.add_argument("--redis-ttl-s", type=int, default=_env("redis_ttl_s", 24 * 3600))
+    shared.add_argument("--redis-max-entry-bytes", type=int, default=_env("redis_max_entry_bytes", 64 << 20))
+    shared.add_argument("--redis-timeout-ms", type=float, default=_env("redis_timeout_ms", 250))
     shared.add_argument(
         "--redis-retry-s",
         type=float,
-        default=float(_env("redis_retry_s", 5)),
+        default=_env("redis_retry_s", 5),
         help="after Redis fails, wait this long before asking again",
     )
     media = p.add_argument_group("media")

@@ -54,6 +54,13 @@ class Prompt:
     def n_images(self) -> int:
         return sum(isinstance(i, ImageInput) for i in self.inputs)
 
+    def has_image(self, a: int, b: int) -> bool:
+        """Whether units [a, b) hold an image."""
+        return any(
+            isinstance(inp, ImageInput) and int(self.piece_unit[p]) < b and int(self.piece_unit[p + 1]) > a
+            for p, inp in enumerate(self.inputs)
+        )
+
     def cuts(self, block_tokens: int | None) -> np.ndarray:
         """Unit offsets where prefill segments may start and end, sorted: 0, the end, every unit
         that starts on a multiple of ``block_tokens`` tokens (None: none), and both edges of

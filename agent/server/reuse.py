@@ -77,8 +77,10 @@ class Finder:
         if edge > 0:
             steps.append(Step(0, edge, tuple(parts), tuple(rows), 0, True))
         chunks = follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else list(plan.chunks)
-        runs = run_tokens(prompt, chunks, edge)
-        for c, run in zip(chunks, runs, strict=True):
+        runs, run_of = run_tokens(prompt, chunks, edge), run_starts(prompt, chunks)
+        step_run: list[int] = []  # per step before the misses merge: its run (-1: no content reuse)
+        for c, run, rid in zip(chunks, runs, run_of, strict=True):
+            step_run += [-1] * (len(steps) - len(step_run))
             s, e = max(c.start, edge), min(c.end, n_units)
             if s >= e:
                 continue
@@ -103,10 +105,33 @@ class Finder:
             if reused is None:
                 steps.append(Step(s, c.end, (), (), 0, False))
                 continue
+            step_run += [-1] * (len(steps) - len(step_run)) + [rid]
             steps.append(Step(s, e, tuple(reused[0]), reused[1], delta, False))
             if e < c.end:
                 steps.append(Step(e, c.end, (), (), 0, False))
+        step_run += [-1] * (len(steps) - len(step_run))
+        if mode != "fast":
+            steps = self._whole_runs(prompt, steps, step_run)
         return _merge_misses(steps), lost
+
+    def _whole_runs(self, prompt: Prompt, steps: list[Step], step_run: list[int]) -> list[Step]:
+        """Steps with each stretch of a run actually reused (a run's chunks are fetched and
+        checked one by one, so one may be gone) reused only if it still holds
+        ``min_reuse_tokens``; a shorter stretch is a miss."""
+        out = list(steps)
+        i = 0
+        while i < len(out):
+            if step_run[i] < 0:
+                i += 1
+                continue
+            j = i + 1
+            while j < len(out) and step_run[j] == step_run[i] and out[j].start == out[j - 1].end:
+                j += 1
+            if int(prompt.tok_off[out[j - 1].end] - prompt.tok_off[out[i].start]) < self.min_reuse_tokens:
+                for k in range(i, j):
+                    out[k] = Step(out[k].start, out[k].end, (), (), 0, False)
+            i = j
+        return out
 
     def fetch(
         self, rec: Record, a: int, b: int, shift: int
@@ -146,9 +171,7 @@ class Finder:
             if b == cut_back(ctx.cuts, b)
         ]
         aliases = []
-        for c in plan.chunks:
-            if mode == "exact":
-                break
+        for c in follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else ():
             if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
                 lo, hi = c.source_start, c.source_start + c.n_tokens
                 keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
@@ -227,14 +250,26 @@ def run_tokens(prompt: Prompt, chunks: Sequence[PlannedChunk], edge: int) -> lis
         s, e = max(c.start, edge), min(c.end, last)
         return int(prompt.tok_off[e] - prompt.tok_off[s]) if e > s else 0
 
+    starts = run_starts(prompt, chunks)
+    total: dict[int, int] = {}
+    for c, r in zip(chunks, starts, strict=True):
+        total[r] = total.get(r, 0) + size(c)
+    return [total[r] for r in starts]
+
+
+def run_starts(prompt: Prompt, chunks: Sequence[PlannedChunk]) -> list[int]:
+    """For each planned chunk, the index of the first chunk of its run (:func:`run_tokens`). A
+    chunk holding an image is a run of its own: repair does not measure images, so text next to
+    one is not reused on its account."""
     out: list[int] = []
-    i = 0
-    while i < len(chunks):
-        j = i + 1
-        while j < len(chunks) and continues(chunks[j - 1], chunks[j]):
-            j += 1
-        out += [sum(size(c) for c in chunks[i:j])] * (j - i)
-        i = j
+    for i, c in enumerate(chunks):
+        joined = (
+            i > 0
+            and continues(chunks[i - 1], c)
+            and not prompt.has_image(chunks[i - 1].start, chunks[i - 1].end)
+            and not prompt.has_image(c.start, c.end)
+        )
+        out.append(out[-1] if joined else i)
     return out
 
 
