@@ -196,6 +196,25 @@ def test_a_conversation_after_a_changed_header_reuses_its_last_turn_whole(llama:
         assert warm.usage.relocated_tokens > len(DOC)
 
 
+def test_a_prompt_whose_kv_the_store_refused_does_not_take_over_the_index(
+    llama: Any, monkeypatch: Any
+) -> None:
+    """The index points a chunk at the prompt seen last, unless the store refused some of that
+    prompt's KV: then the chunk stays where its KV is, runs are not followed into that prompt,
+    and the chunk is still reused."""
+    pc = PromptCache(llama, make_cache(llama).store, dataclasses.replace(CONFIG, repair_margin_cap=0.0))
+    turn = [Message("user", ("What does line 3 say?",))]
+    pc.commit(pc.prepare(prompt_of(pc, [Message("system", (f"Time 1.\n{DOC}",)), *turn])))
+    later = prompt_of(pc, [Message("system", (f"Time 12:00:01.\n{DOC}",)), *turn])
+    with monkeypatch.context() as m:
+        m.setattr("cache.records.put_kv", lambda *args: False)
+        refused = pc.prepare(later, mode="exact")  # all of it prefilled: its own KV throughout
+        pc.commit(refused)
+    again = pc.prepare(later)  # lost: only the chunk new in the refused prompt (its header)
+    assert again.usage.lost_entries <= 1
+    assert again.usage.relocated_tokens > len(DOC)
+
+
 def test_runs_are_followed_in_the_prompt_they_came_from(llama: Any) -> None:
     """After a hit from a record, a chunk holding the same units right after it there is taken
     from there (found elsewhere or missed); a miss alike for only its first units is split there;

@@ -401,22 +401,29 @@ class PromptCache:
         if prepared.stored:
             return 0
         prepared.stored = True
-        written = 0
+        written, refused_at = 0, None  # the first unit whose KV the store refused
         for row, kv in prepared.rows:
             if kv is None or row.key in self.store:
                 continue
-            written += records.put_kv(self.store, row.key, kv, row.tokens)
+            ok = records.put_kv(self.store, row.key, kv, row.tokens)
+            written += ok
+            if not ok and refused_at is None:
+                refused_at = row.start
         prompt = prepared.prompt
         record = Record(
             tuple(row for row, _ in prepared.rows),
             prompt.tok_off,
             prompt.pos_off,
             prepared.exact_units,
-            prompt.units,
+            prompt.units if refused_at is None else None,  # runs are followed only where all is kept
         )
         written += self._write_aliases(prepared, record)
+        # the index points each chunk at this prompt, where it sits beside its neighbours now,
+        # unless the store refused some of its KV: then chunks already indexed keep their place,
+        # and the radix tree learns the exact prefix only as far as the store holds it
+        prefix_len = prepared.exact_units if refused_at is None else min(prepared.exact_units, refused_at)
         prepared.planner.commit(
-            prepared.plan, prompt.units, record, prefix_len=prepared.exact_units, refresh=True
+            prepared.plan, prompt.units, record, prefix_len=prefix_len, refresh=refused_at is None
         )
         excess = self.radix.total_tokens - self.config.max_radix_tokens
         if excess > 0:
