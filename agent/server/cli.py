@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--repair-residual-unit",
         type=float,
-        default=_env("repair_residual_unit", "3.4e-6"),
+        default=_env("repair_residual_unit", "8e-7"),
         help="repair's guard: the deviation a repair leaves (relative, at layer 1) at which the margin "
         "is as set; it scales with the square root of the ratio, up and down (0: the margin as set)",
     )

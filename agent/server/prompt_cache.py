@@ -131,7 +131,7 @@ class PromptCacheConfig:
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
     repair_margin: float = 0.5
-    repair_residual_unit: float = 3.4e-6
+    repair_residual_unit: float = 8e-7
     repair_margin_cap: float = 3.0
     repair_max_ratio: float = 0.15
 
