@@ -18,6 +18,9 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
 - ``cacheblend-<pct>``: blind, then the ``pct`` % of chunk tokens whose values deviate most at
   layer 1 recomputed through all layers (``agent/recompute.py``).
 - ``epic-<k>``: blind, then the first k tokens of every chunk but the first recomputed.
+- ``oracle-select-<pct>`` (oracle): blind, then the ``pct`` % of chunk tokens whose KV, summed
+  over every layer, lies furthest from this very prompt's full prefill recomputed the same way:
+  a bound on what choosing which tokens to recompute can buy (``--oracle-select``, off by default).
 - ``cacheblend-<pct>+guard``: ``kamera serve``'s ``repair`` method through its own code
   (``agent/recompute.py``, ``generation.decode`` and its guard), on this bench's placement of the
   chunks rather than the prompt cache's: the same recompute, then greedy decoding under the
@@ -111,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cacheblend", default="15", help="recompute ratios, %% of chunk tokens")
     parser.add_argument("--epic", default="16", help="first-k token counts")
     parser.add_argument(
+        "--oracle-select",
+        default="",
+        help="oracle recompute ratios, %% of chunk tokens: those furthest from the full prefill's KV",
+    )
+    parser.add_argument(
         "--guard-margin",
         type=float,
         default=FidelityConfig.guard_margin,
@@ -150,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget_weighting=args.budget_weighting,
         cacheblend=_floats(args.cacheblend),
         epic=tuple(int(k) for k in _floats(args.epic)),
+        oracle_select=_floats(args.oracle_select),
         guard_margin=args.guard_margin,
         residual_unit=args.residual_unit,
         guard_cap=args.guard_cap,

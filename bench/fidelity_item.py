@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.recompute import DeviationSelection, selective_recompute
+from agent.recompute import DeviationSelection, FixedSelection, selective_recompute
 from agent.server.answer import guard_margin
 from agent.server.generation import SamplingParams, decode
 from agent.server.prompt_cache import PromptCacheConfig
@@ -52,6 +52,7 @@ class FidelityConfig:
     budget_weighting: str = "relative"
     cacheblend: tuple[float, ...] = (15.0,)
     epic: tuple[int, ...] = (16,)
+    oracle_select: tuple[float, ...] = ()
     canonical: tuple[str, ...] = CANONICAL_MODES
     max_chunk_tokens: int | None = 256
     max_new_tokens: int = 16
@@ -66,8 +67,10 @@ class FidelityConfig:
             raise ValueError(f"canonical modes must be among {CANONICAL_MODES}, got {self.canonical}")
         if any(r <= 0 for r in self.ranks) or any(b <= 0 for b in self.budgets):
             raise ValueError("ranks and budgets must be positive")
-        if any(not 0 < p <= 100 for p in self.cacheblend) or any(k <= 0 for k in self.epic):
-            raise ValueError("cacheblend ratios lie in (0, 100] and epic k is positive")
+        if any(not 0 < p <= 100 for p in (*self.cacheblend, *self.oracle_select)) or any(
+            k <= 0 for k in self.epic
+        ):
+            raise ValueError("cacheblend and oracle-select ratios lie in (0, 100] and epic k is positive")
         if not 0 <= self.guard_margin < float("inf"):
             raise ValueError(f"guard_margin must be a finite number >= 0, got {self.guard_margin}")
         if not 0 <= self.residual_unit < float("inf"):
@@ -304,6 +307,15 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
         ids, positions = prompt.context, torch.arange(p + sum(lengths))
         candidates = torch.arange(p, p + sum(lengths))
         selections = recompute_selections(config.cacheblend, config.epic, candidates, starts, lengths)
+        # the oracle selection: the tokens whose KV, over every layer, lies furthest from this very
+        # prompt's full prefill (a bound on what choosing tokens can buy; no server knows it)
+        if config.oracle_select:
+            off = (k_blind - k_ref).double().square().sum(dim=(0, 1, 3))
+            off = (off + (v_blind - v_ref).double().square().sum(dim=(0, 1, 3)))[candidates]
+            for pct in config.oracle_select:
+                n_sel = max(1, round(pct / 100 * candidates.numel()))
+                chosen = candidates[torch.topk(off, n_sel).indices]
+                selections[f"oracle-select-{pct:g}"] = FixedSelection(chosen)
         for name, sel in selections.items():
             t0 = time.perf_counter()
             out = selective_recompute(adapter, ids, positions, k_blind, v_blind, sel)
@@ -312,6 +324,7 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 recompute=int(out.selected.numel()) / max(1, sum(lengths)),
                 apply_ms=1e3 * elapsed / len(lengths),
                 residual=out.residual if isinstance(sel, DeviationSelection) else None,
+                oracle=name.startswith("oracle-"),
             )
             recs[name] = score(out.k, out.v, rec)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:

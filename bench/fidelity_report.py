@@ -67,19 +67,21 @@ def aggregate(results: Sequence[ItemResult], mode: str) -> dict[str, dict[str, A
 def _order(name: str) -> tuple[int, float, str]:
     """Table order: exact, blind, patches by bytes, recompute baselines."""
     rank = {"prefix": 0, "blind": 1}.get(name.split("-")[0], 2)
-    if name.startswith(("cacheblend", "epic")):
+    if name.startswith(("cacheblend", "epic", "oracle-select")):
         rank = 3
     return rank, 0.0, name
 
 
 def print_table(console: Any, mode: str, methods: dict[str, dict[str, Any]], items: int) -> None:
-    """Two tables: the deployable methods, then the oracles (patches fitted in the served context)."""
+    """Two tables: the deployable methods, then the oracles (fitted to or chosen from the served
+    prompt's own full prefill)."""
     deployable, oracles = split_oracles(methods)
     title = f"fidelity against full re-prefill: canonical {mode}, {items} items"
     _table(console, f"{title}: deployable methods", {n: methods[n] for n in deployable})
     if oracles:
         oracle_title = (
-            f"{title}: oracles (patch fitted in the served prompt's own full prefill, an upper bound)"
+            f"{title}: oracles (fitted to or chosen from the served prompt's own full prefill, "
+            "an upper bound)"
         )
         _table(console, oracle_title, {n: methods[n] for n in oracles})
 
@@ -165,7 +167,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
                         textcoords="offset points",
                     )
         for n, m in methods.items():
-            if n == "blind" or n.startswith(("cacheblend", "epic", "prefix")):
+            if n == "blind" or n.startswith(("cacheblend", "epic", "prefix", "oracle-select")):
                 y = max(m["kl_median"], 1e-12)
                 ax.plot([0.0], [y], "x" if n == "blind" else "^", label=n)
                 note = n if n == "blind" else f"{n}: {100 * m['recompute']:.0f}% recomputed"

@@ -50,6 +50,7 @@ def test_exact_limits_of_every_method(llama: ModelAdapter) -> None:
         budgets=(200.0,),
         cacheblend=(100.0,),
         epic=(1000,),
+        oracle_select=(100.0,),
         canonical=("after-prefix", "alone"),
         max_chunk_tokens=20,
         max_new_tokens=3,
@@ -63,6 +64,9 @@ def test_exact_limits_of_every_method(llama: ModelAdapter) -> None:
             assert max(recs[name].kl) < 1e-5, (mode, name, max(recs[name].kl))
             assert min(recs[name].top1) == 1.0
         assert recs["cacheblend-100"].recompute == 1.0
+        assert max(recs["oracle-select-100"].kl) < 1e-5
+        assert recs["oracle-select-100"].oracle
+        assert not recs["cacheblend-100"].oracle
     # EPIC leaves the first chunk as reused: exact when that chunk was encoded after the prefix
     assert max(result.methods["after-prefix"]["epic-1000"].kl) < 1e-5
     assert max(result.methods["after-prefix"]["blind"].k_err[1:]) > 0.0
@@ -175,6 +179,8 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
         "6",
         "--max-new-tokens",
         "2",
+        "--oracle-select",
+        "20",
         "--json",
         str(out),
         "--plots",
@@ -200,8 +206,11 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     for m in report["methods"].values():
         assert keys <= set(m)
     assert set(report["canonical"]) == {"after-prefix", "alone"}
-    # patches fitted in the very context served are oracles, reported apart from what deploys
-    assert set(report["oracle"]) == {n for n in report["methods"] if n.startswith("patch-")}
+    # patches fitted in, and tokens chosen from, the very context served are oracles, reported
+    # apart from what deploys
+    assert "oracle-select-20" in report["methods"]
+    oracles = {n for n in report["methods"] if n.startswith(("patch-", "oracle-"))}
+    assert set(report["oracle"]) == oracles
     assert {"prefix", "blind", "cacheblend-15", "epic-16"} <= set(report["deployable"])
     assert set(report["deployable"]) | set(report["oracle"]) == set(report["methods"])
     assert all(m["oracle"] == (n in report["oracle"]) for n, m in report["methods"].items())
