@@ -269,8 +269,9 @@ class PromptCache:
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
         image_edges = prompt.cuts(None)
         finder = Finder(self.store, self.config.min_reuse_tokens)
-        fetched = finder.prefetch(prompt, plan, keys, mode)
-        steps, lost = finder.steps(prompt, plan, keys, mode)
+        chunks = finder.chunks(prompt, plan, keys, mode)
+        fetched = finder.prefetch(prompt, plan, keys, mode, chunks)
+        steps, lost = finder.steps(prompt, plan, keys, mode, chunks)
         counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired", "shared"), 0)
         window = Window(self.adapter.spec, self.config.rope_kernel, dims=self.adapter.arena_dims)
         placed: list[Placement] = []  # the window, in order: reused parts and prefilled segments

@@ -42,6 +42,7 @@ class Step(NamedTuple):
     refs: tuple[TableRow, ...]  # where the reused KV lives, in this prompt's units
     delta: int
     exact: bool  # the exact prefix
+    run: int = -1  # content reuse: the index of the planned chunk its run starts at (-1: none)
 
 
 class Finder:
@@ -52,10 +53,23 @@ class Finder:
     def __init__(self, store: TieredStore, min_reuse_tokens: int) -> None:
         self.store, self.min_reuse_tokens = store, min_reuse_tokens
 
-    def steps(self, prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> tuple[list[Step], int]:
+    @staticmethod
+    def chunks(prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> list[PlannedChunk]:
+        """The plan's chunks as ``mode`` reuses them: runs followed on (:func:`follow_runs`)
+        unless the mode is ``exact``."""
+        return follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else list(plan.chunks)
+
+    def steps(
+        self,
+        prompt: Prompt,
+        plan: Plan,
+        ctx: PromptKeys,
+        mode: str,
+        chunks: Sequence[PlannedChunk] | None = None,
+    ) -> tuple[list[Step], int]:
         """The plan as steps, reused KV fetched: the exact prefix by its segments' keys, then
         what ``mode`` reuses by content; misses merged; the last unit always a miss. Also the
-        count of planned reuse whose entries were gone."""
+        count of planned reuse whose entries were gone. ``chunks``: :meth:`chunks`, if made."""
         n_units, cuts = len(prompt.units), ctx.cuts
         parts: list[ChunkKV] = []
         rows: list[TableRow] = []
@@ -76,11 +90,11 @@ class Finder:
         steps: list[Step] = []
         if edge > 0:
             steps.append(Step(0, edge, tuple(parts), tuple(rows), 0, True))
-        chunks = follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else list(plan.chunks)
-        runs, run_of = run_tokens(prompt, chunks, edge), run_starts(prompt, chunks)
-        step_run: list[int] = []  # per step before the misses merge: its run (-1: no content reuse)
+        if chunks is None:
+            chunks = self.chunks(prompt, plan, ctx, mode)
+        run_of = run_starts(prompt, chunks)
+        runs = run_tokens(prompt, chunks, edge, run_of)
         for c, run, rid in zip(chunks, runs, run_of, strict=True):
-            step_run += [-1] * (len(steps) - len(step_run))
             s, e = max(c.start, edge), min(c.end, n_units)
             if s >= e:
                 continue
@@ -105,31 +119,26 @@ class Finder:
             if reused is None:
                 steps.append(Step(s, c.end, (), (), 0, False))
                 continue
-            step_run += [-1] * (len(steps) - len(step_run)) + [rid]
-            steps.append(Step(s, e, tuple(reused[0]), reused[1], delta, False))
+            steps.append(Step(s, e, tuple(reused[0]), reused[1], delta, False, rid))
             if e < c.end:
                 steps.append(Step(e, c.end, (), (), 0, False))
-        step_run += [-1] * (len(steps) - len(step_run))
         if mode != "fast":
-            steps = self._whole_runs(prompt, steps, step_run)
+            steps = self._whole_runs(prompt, steps)
         return _merge_misses(steps), lost
 
-    def _whole_runs(self, prompt: Prompt, steps: list[Step], step_run: list[int]) -> list[Step]:
+    def _whole_runs(self, prompt: Prompt, steps: list[Step]) -> list[Step]:
         """Steps with each stretch of a run actually reused (a run's chunks are fetched and
         checked one by one, so one may be gone) reused only if it still holds
         ``min_reuse_tokens``; a shorter stretch is a miss."""
         out = list(steps)
         i = 0
         while i < len(out):
-            if step_run[i] < 0:
-                i += 1
-                continue
             j = i + 1
-            while j < len(out) and step_run[j] == step_run[i] and out[j].start == out[j - 1].end:
-                j += 1
-            if int(prompt.tok_off[out[j - 1].end] - prompt.tok_off[out[i].start]) < self.min_reuse_tokens:
-                for k in range(i, j):
-                    out[k] = Step(out[k].start, out[k].end, (), (), 0, False)
+            if out[i].run >= 0:
+                while j < len(out) and out[j].run == out[i].run and out[j].start == out[j - 1].end:
+                    j += 1
+                if prompt.tok_off[out[j - 1].end] - prompt.tok_off[out[i].start] < self.min_reuse_tokens:
+                    out[i:j] = [Step(st.start, st.end, (), (), 0, False) for st in out[i:j]]
             i = j
         return out
 
@@ -157,11 +166,18 @@ class Finder:
             return None
         return parts, tuple(refs)
 
-    def prefetch(self, prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> frozenset[str]:
+    def prefetch(
+        self,
+        prompt: Prompt,
+        plan: Plan,
+        ctx: PromptKeys,
+        mode: str,
+        chunks: Sequence[PlannedChunk] | None = None,
+    ) -> frozenset[str]:
         """Two round trips to the store's shared tier (Redis), for what this prompt may reuse and
         no local tier holds: the keys of its exact prefix's segments and of the rows its content
         hits point at, the aliases of its misses, then the rows those aliases point
-        at. Returns the keys brought in (another replica's work)."""
+        at. Returns the keys brought in (another replica's work). ``chunks``: :meth:`chunks`."""
         if getattr(self.store, "shared", None) is None:
             return frozenset()
         n_units = len(prompt.units)
@@ -171,7 +187,9 @@ class Finder:
             if b == cut_back(ctx.cuts, b)
         ]
         aliases = []
-        for c in follow_runs(prompt, ctx, plan.chunks) if mode != "exact" else ():
+        if chunks is None:
+            chunks = self.chunks(prompt, plan, ctx, mode)
+        for c in chunks if mode != "exact" else ():
             if c.status == "relocated-hit" and isinstance(c.payload, Record) and c.source_start is not None:
                 lo, hi = c.source_start, c.source_start + c.n_tokens
                 keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
@@ -239,18 +257,22 @@ def follow_runs(prompt: Prompt, ctx: PromptKeys, chunks: Sequence[PlannedChunk])
     return out
 
 
-def run_tokens(prompt: Prompt, chunks: Sequence[PlannedChunk], edge: int) -> list[int]:
+def run_tokens(
+    prompt: Prompt, chunks: Sequence[PlannedChunk], edge: int, starts: Sequence[int] | None = None
+) -> list[int]:
     """For each planned chunk, the prompt tokens after ``edge`` (the exact prefix) and before the
     last unit of the run it belongs to: relocated hits laid end to end here that lay end to end
     in the same stored prompt, moved by the same shift (one stretch of an earlier prompt cut in
-    several chunks, reused whole or not at all), or the chunk alone."""
+    several chunks, reused whole or not at all), or the chunk alone. ``starts``:
+    :func:`run_starts`, if made."""
     last = len(prompt.units) - 1
 
     def size(c: PlannedChunk) -> int:
         s, e = max(c.start, edge), min(c.end, last)
         return int(prompt.tok_off[e] - prompt.tok_off[s]) if e > s else 0
 
-    starts = run_starts(prompt, chunks)
+    if starts is None:
+        starts = run_starts(prompt, chunks)
     total: dict[int, int] = {}
     for c, r in zip(chunks, starts, strict=True):
         total[r] = total.get(r, 0) + size(c)
@@ -261,14 +283,10 @@ def run_starts(prompt: Prompt, chunks: Sequence[PlannedChunk]) -> list[int]:
     """For each planned chunk, the index of the first chunk of its run (:func:`run_tokens`). A
     chunk holding an image is a run of its own: repair does not measure images, so text next to
     one is not reused on its account."""
+    image = [prompt.has_image(c.start, c.end) for c in chunks] if prompt.n_images else [False] * len(chunks)
     out: list[int] = []
     for i, c in enumerate(chunks):
-        joined = (
-            i > 0
-            and continues(chunks[i - 1], c)
-            and not prompt.has_image(chunks[i - 1].start, chunks[i - 1].end)
-            and not prompt.has_image(c.start, c.end)
-        )
+        joined = i > 0 and continues(chunks[i - 1], c) and not image[i - 1] and not image[i]
         out.append(out[-1] if joined else i)
     return out
 
