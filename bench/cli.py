@@ -9,6 +9,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tools.data import find_data_folder
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "relocation": ("bench.relocation", "exactness per family; rotation throughput against a copy"),
     "fidelity": ("bench.fidelity", "patches against blind reuse, CacheBlend and EPIC on multi-hop QA"),
@@ -36,5 +38,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, (_, doc) in BENCHMARKS.items():
             print(f"  {name.ljust(width)}  {doc}")
         return 0 if not args or args[0] in ("-h", "--help") else 2
+    print(find_data_folder().describe(), file=sys.stderr)
     code: int = importlib.import_module(BENCHMARKS[args[0]][0]).main(args[1:])
     return code

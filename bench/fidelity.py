@@ -65,8 +65,13 @@ from bench.answers import Codec
 from bench.fidelity_data import load_items
 from bench.fidelity_item import CANONICAL_MODES, FidelityConfig, ItemResult, evaluate_item
 from bench.fidelity_report import build_report, plot, print_table
+from tools.data import find_data_folder
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "multihop_qa"
+
+def default_data() -> str | None:
+    """``multihop_qa`` in the resolved data folder (``tools.data``), None without one."""
+    root = find_data_folder().path
+    return str(root / "multihop_qa") if root is not None else None
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -91,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--data", default=str(DEFAULT_DATA), help="JSONL file, a multi-hop QA JSON list, or a folder of them"
+        "--data",
+        default=None,
+        help="JSONL file, a multi-hop QA JSON list, or a folder of them "
+        "(default: multihop_qa in the data folder: $KAMERA_DATA, else ../shared/data)",
     )
     parser.add_argument("--split", choices=("dev", "test", "all"), default="dev")
     parser.add_argument(
@@ -166,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,
     )
+    if args.data is None:
+        args.data = default_data()
+        if args.data is None:
+            raise SystemExit(find_data_folder().describe())
     items = load_items(args.data, args.split, args.max_chunks or None, args.limit)
     if not items:
         console.print(f"no items in {args.data} ({args.split})")

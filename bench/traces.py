@@ -43,6 +43,7 @@ from bench.traces_report import BYTES_PER_TOKEN, TIMING_KEYS, policy_fields, pri
 from bench.traces_tokens import Tokenizer, load_tokenizer
 from cache.cdc import CDCConfig, chunk_bounds
 from cache.planner import PlannerConfig
+from tools.data import find_data_folder
 
 SETS: dict[str, str] = {"tau": "tau_bench", "swe": "swe_agent", "mini": "mini_swe_agent"}
 
@@ -129,7 +130,7 @@ def load_sets(args: argparse.Namespace) -> dict[str, list[Session]]:
     if args.data:
         return {Path(args.data).stem: load_jsonl(Path(args.data))}
     if data_root() is None:
-        raise FileNotFoundError("no data folder: set KAMERA_DATA, place it at ../shared/data, or pass --data")
+        raise FileNotFoundError(find_data_folder().describe() + "; or pass --data")
     limits = parse_sessions(args.sessions)
     out = {}
     for name in args.sets.split(","):

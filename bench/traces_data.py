@@ -4,8 +4,9 @@ A trajectory becomes a session of requests: request k is the full message list t
 for its k-th model call. Readers for tau-bench airline, SWE-agent, mini-swe-agent (with the
 provider's reported prefix-cache usage) and a plain JSONL of sessions.
 
-Data live in ``../shared/data`` beside the repository (``KAMERA_DATA`` overrides it); the
-dev/test halves follow that folder's README. This module never copies the data.
+Data live in the folder ``tools.data.find_data_folder`` resolves (``$KAMERA_DATA``, then
+``../shared/data`` beside the working directory, then beside the package); the dev/test halves
+follow that folder's README. This module never copies the data.
 
 Not here: context policies (``traces_policies.py``), tokenizing (``traces_tokens.py``), the
 replay (``traces_replay.py``).
@@ -14,10 +15,11 @@ replay (``traces_replay.py``).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
+
+from tools.data import find_data_folder
 
 Message = dict[str, Any]
 
@@ -25,13 +27,9 @@ Message = dict[str, Any]
 Split = Literal["dev", "test", "all"]
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 def data_root() -> Path | None:
-    """The shared data folder (``$KAMERA_DATA`` or ``<repo>/../shared/data``), None if absent."""
-    root = Path(os.environ.get("KAMERA_DATA") or REPO_ROOT.parent / "shared" / "data")
-    return root if root.is_dir() else None
+    """The data folder ``tools.data.find_data_folder`` resolves, None if there is none."""
+    return find_data_folder().path
 
 
 class Session(NamedTuple):
@@ -139,7 +137,7 @@ def load_sessions(source: str, split: Split = "dev", root: Path | None = None) -
         return load_jsonl(Path(source))
     root = root or data_root()
     if root is None:
-        raise FileNotFoundError("no data folder: set KAMERA_DATA or place it at ../shared/data")
+        raise FileNotFoundError(find_data_folder().describe())
     if source not in SOURCES:
         raise KeyError(f"unknown source {source!r}; known: {sorted(SOURCES)} or a .jsonl path")
     return SOURCES[source](root, split)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
+from tools.data import find_data_folder
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -25,7 +26,7 @@ def smollm2() -> ModelAdapter:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    root = Path(os.environ.get("KAMERA_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    if not root.is_dir():
-        pytest.skip(f"shared data folder {root} is absent")
-    return root
+    found = find_data_folder()
+    if found.path is None:
+        pytest.skip(found.describe())
+    return found.path

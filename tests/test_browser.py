@@ -11,9 +11,10 @@ import pytest
 from PIL import Image
 
 from tools.browser import Browser, BrowserConfig, LocalServer, origin_of, serve_directory
+from tools.data import find_data_folder
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("KAMERA_DATA", REPO.parent / "shared" / "data"))
+DATA = find_data_folder().path or REPO.parent / "shared" / "data"
 CHROMIUM = os.environ.get("KAMERA_CHROMIUM", "/usr/bin/chromium")
 VIEW_W, VIEW_H = 640, 480
 

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import struct
 import zlib
 from pathlib import Path
@@ -11,6 +10,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from tools.data import find_data_folder
 from tools.media import (
     DisallowedPathError,
     FetchConfig,
@@ -29,7 +29,7 @@ from tools.media import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("KAMERA_DATA", REPO.parent / "shared" / "data"))
+DATA = find_data_folder().path or REPO.parent / "shared" / "data"
 PUBLIC_IP = "93.184.215.14"
 
 

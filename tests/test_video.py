@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tools.data import find_data_folder
 from tools.video import (
     NotAVideoError,
     NoVideoStreamError,
@@ -30,7 +31,7 @@ from tools.video import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("KAMERA_DATA", REPO.parent / "shared" / "data"))
+DATA = find_data_folder().path or REPO.parent / "shared" / "data"
 W, H, FPS = 192, 144, 2  # small and slow so a 10-minute video encodes in seconds
 
 
