@@ -57,6 +57,9 @@ from agent.server.answer import answer
 from agent.server.chat import Message, render
 from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
+from agent.tables import make_console
+from agent.tables import print_table as draw
+from bench.agreement import answer_fields, ttft_fields
 from bench.traces_data import load_sessions
 from bench.traces_policies import get_policy
 from bench.traces_tokens import message_body
@@ -115,31 +118,6 @@ def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
     p = torch.log_softmax(reference.double(), -1)
     q = torch.log_softmax(cached.double(), -1)
     return float((p.exp() * (p - q)).sum())
-
-
-def answer_fields(rows: Sequence[Any], hit: Sequence[Any]) -> dict[str, Any]:
-    """Agreement of cached answers with the full prefill's; ``rows`` have ``.cached.tokens`` and
-    ``.reference.tokens`` (Kamera's rows and the peer's alike)."""
-
-    def share(rs: Sequence[Any], same: Any) -> float | None:
-        return round(sum(map(same, rs)) / len(rs), 4) if rs else None
-
-    return {
-        "requests": len(rows),
-        "requests_with_hits": len(hit),
-        "greedy_agreement_with_hits": share(hit, lambda r: r.cached.tokens == r.reference.tokens),
-        "greedy_agreement": share(rows, lambda r: r.cached.tokens == r.reference.tokens),
-        "first_token_agreement": share(rows, lambda r: r.cached.tokens[:1] == r.reference.tokens[:1]),
-    }
-
-
-def ttft_fields(hit: Sequence[Any]) -> dict[str, Any]:
-    """Full prefill's time to first token over the cached one's, on requests with hits."""
-    ratios = [r.reference.ttft_s / r.cached.ttft_s for r in hit if r.cached.ttft_s > 0]
-    return {
-        "ttft_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
-        "ttft_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
-    }
 
 
 def summarize(rows: Sequence[Row]) -> dict[str, Any]:
@@ -448,7 +426,6 @@ def run_policies(
 
 
 def print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"consistency with a full prefill ({report['source']}, {report['split']})")
@@ -484,4 +461,4 @@ def print_table(report: dict[str, Any]) -> None:
                 str(sh.get("seen_before")),  # not on the peer's rows
                 str(r["ttft_ratio_median"]),
             )
-    Console(width=200).print(t)
+    draw(make_console(), t)

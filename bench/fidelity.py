@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.tables import make_console
 from bench.answers import Codec
 from bench.fidelity_data import load_items
 from bench.fidelity_item import CANONICAL_MODES, FidelityConfig, ItemResult, evaluate_item
@@ -153,10 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plots", default=None, help="folder for the PNG plots")
     args = parser.parse_args(argv)
 
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = Console() if sys.stdout.isatty() else Console(width=170)
+    console = make_console()
     if args.threads:
         torch.set_num_threads(args.threads)
     config = FidelityConfig(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agent.tables import print_table as draw
 from bench.fidelity_item import FidelityConfig, ItemResult
 from bench.methods import split_oracles
 
@@ -130,7 +131,7 @@ def _table(console: Any, title: str, methods: dict[str, dict[str, Any]]) -> None
             f(m["apply_ms"], ".1f"),
             f(m["apply_vs_prefill"], ".3f"),
         )
-    console.print(t)
+    draw(console, t)
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:

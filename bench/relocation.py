@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter
 from agent.adapters.vision import VisionAdapter
+from agent.tables import make_console, print_table
 from cache import native
 from cache.rope import RopeSpec, default_inv_freq, rotate
 
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-real", action="store_true", help="leave out the real SmolLM2 weights")
     args = parser.parse_args(argv)
-    console = Console()
+    console = make_console()
     from agent.adapters.loading import load_adapter
     from agent.adapters.tiny import BUILDERS
 
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, f in families.items():
         errs = [f"{f['max_rel_err_by_start'][str(s)]:.1e}" for s in STARTS]
         t.add_row(name, str(f["n_tokens"]), *errs, f"{f['logits_max_abs_diff']:.2e}")
-    console.print(t)
+    print_table(console, t)
     t = Table(title="rotation throughput vs a plain copy of the same bytes (GB/s)")
     for col in ("tokens", "layout", "copy", *BENCH_KERNELS, "best / copy"):
         t.add_column(col, justify="right")
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *(f"{r[f'{k}_gbps']:.2f}" if f"{k}_gbps" in r else "-" for k in BENCH_KERNELS),
                 f"{r['ratio']:.2f}",
             )
-    console.print(t)
+    print_table(console, t)
     console.print(
         f"MLA bytes per token (bf16, DeepSeek-V2 dims): latent+k_rope {latent} vs expanded K/V "
         f"{expanded} ({expanded / latent:.0f}x)"

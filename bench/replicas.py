@@ -36,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from agent.tables import make_console, print_table
 from bench.redis_server import RedisServer
 from bench.traces import DEFAULT_CDC, SETS, parse_cdc, parse_sessions
 from bench.traces_data import Session, load_sessions
@@ -278,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-break-even", action="store_true")
     args = ap.parse_args(argv)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     tokenize, _ = load_tokenizer(args.tokenizer)
     requests, per_set = load_requests(args, tokenize)
     console.log(f"{len(requests)} requests, {sum(len(r[0]) for r in requests)} prompt tokens")
@@ -328,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2, default=float))
-    print_tables(Console(width=160), result)
+    print_tables(make_console(), result)
     return 0
 
 
@@ -366,7 +367,7 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
         table.add_row(
             name, *(_f(row[k], spec or "") for k, (_, spec) in zip(keys[1:], cols[1:], strict=True))
         )
-    console.print(table)
+    print_table(console, table)
     be = result["break_even"]
     if be:
         t = Table(title="Fetch one chunk from Redis (SmolLM2 bf16 layout) against prefilling it")
@@ -374,7 +375,7 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
             t.add_column(col, justify="right")
         for n in sorted(be["fetch_s"], key=int):
             t.add_row(str(n), f"{1e3 * be['fetch_s'][n]:.2f}", f"{1e3 * be['prefill_s'][n]:.2f}")
-        console.print(t)
+        print_table(console, t)
         console.print(
             f"break-even chunk size: {be['break_even_tokens']:.1f} tokens (fit); smallest measured size "
             f"where fetching wins: {be['smallest_measured_size_where_fetch_wins']}"

@@ -50,6 +50,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from agent.tables import make_console
+from agent.tables import print_table as draw
 from bench.traces import SETS
 from bench.traces_data import load_sessions
 from bench.traces_tokens import message_body
@@ -299,7 +301,7 @@ def logprob_gap(answers: Sequence[Answer], reference: Sequence[Answer]) -> float
 
 def measure(conversations: Sequence[Conversation], args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """The three setups and the full-prefill reference; see the module docstring."""
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     turns = schedule(conversations, 2, args.route)
     single = [t._replace(server=0) for t in turns]
     rows: dict[str, Any] = {}
@@ -385,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))
-    print_table(Console(width=160), result)
+    print_table(make_console(), result)
     wrong = [name for name, row in rows.items() if row["equal_to_full_prefill"] != row["requests"]]
     sound = all(row["directories_clean"] for row in rows.values())
     return 1 if (args.mode == "exact" and wrong) or not sound else 0
@@ -430,4 +432,4 @@ def print_table(console: Console, result: dict[str, Any]) -> None:
             else:
                 cells.append("-" if value is None else str(value))
         table.add_row(*cells)
-    console.print(table)
+    draw(console, table)

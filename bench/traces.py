@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.console import Console
 
+from agent.tables import make_console
 from bench.traces_consistency import ORACLE_MODES, consistency, sample_turns
 from bench.traces_data import Session, data_root, load_jsonl, load_sessions, mini_swe_agent_usage
 from bench.traces_policies import get_policy
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--first-k", type=int, default=16)
     ap.add_argument("--patch-rank", type=int, default=8)
     args = ap.parse_args(argv)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     kind = "model" if args.tokenizer == "adapter" and args.tokenizer_only else args.tokenizer
     t0 = time.perf_counter()
     tokenize, adapter = load_tokenizer(kind)
@@ -237,5 +237,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2, default=float))
-    print_tables(Console(width=150), result)
+    print_tables(make_console(), result)
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from agent.tables import print_table as draw
 from bench.traces_consistency import MODES, ORACLE_MODES
 from bench.traces_replay import PolicyResult, RequestStat
 
@@ -117,7 +118,7 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
                 _fmt(r["store_bytes_mla"] / 1e9, ".2f"),
                 _fmt(r["store_bytes_mla_expanded"] / 1e9, ".1f"),
             )
-    console.print(table)
+    draw(console, table)
     if "consistency" in result:
         ct = Table(title="Consistency with a full prefill (greedy 16 tokens, KL of the first token)")
         for col in ("model", "mode", "greedy match", "KL median", "KL max"):
@@ -134,7 +135,7 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
                     _fmt(m["kl_median"], ".2e"),
                     _fmt(m["kl_max"], ".2e"),
                 )
-        console.print(ct)
+        draw(console, ct)
     t = result["timing"]
     console.print(
         f"chunking {_fmt(t['chunking_tokens_per_s'] / 1e6, '.1f')}M tokens/s; "
@@ -161,7 +162,7 @@ def print_tables(console: Console, result: dict[str, Any]) -> None:
             _fmt(r.get("plan_over_saved_prefill"), ".2e"),
             _fmt(r["breakeven_prefill_tokens_per_s"], ",.0f"),
         )
-    console.print(tt)
+    draw(console, tt)
     ref = result["reference"]
     if ref:
         console.print(

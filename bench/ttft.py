@@ -23,23 +23,27 @@ import math
 import random
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
+from agent.tables import make_console, print_table
 from bench.methods import PrefixCache, first_token, reprefill
 from cache.rope import KERNELS
 from cache.store import StoreConfig, TieredStore
 
 OPS = ("append", "slide", "reorder", "recall", "append")
-# Text for the SmolLM2 session when the multi-hop QA data is absent; ``text_pool`` cycles over it.
+APPENDS = OPS.count("append")  # chunks a session needs beyond its first fill
+DEFAULT_SEED = 0
+# Text for the SmolLM2 session when the multi-hop QA data is absent; ``text_pool`` cycles over it,
+# numbering each paragraph so that no two chunks cut from the cycle hold the same tokens.
 FALLBACK_PARAGRAPHS = (
     "The Rhine rises in the Swiss Alps, flows through Lake Constance and along the French-German "
     "border, and reaches the North Sea in the Netherlands near Rotterdam.",
@@ -61,36 +65,59 @@ class Window:
         return [self.inputs[i] for i in self.ids]
 
 
-def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> list[ChunkInput]:
-    """Real paragraphs (the multi-hop QA data when present, else :data:`FALLBACK_PARAGRAPHS`)."""
-    from pathlib import Path
-
+def text_source(data: str | None) -> Path | None:
+    """The multi-hop QA file the text chunks come from: ``data`` (which must exist), else the
+    MuSiQue set in the shared data folder; None when that folder is absent (the chunks then come
+    from :data:`FALLBACK_PARAGRAPHS`)."""
     from bench.traces_data import data_root
 
-    paragraphs: list[str] = []
+    if data:
+        path = Path(data)
+        if not path.is_file():
+            raise FileNotFoundError(f"--data {data}: no such file")
+        return path
     root = data_root()
-    default = root / "multihop_qa" / "hipporag_musique_train_100.json" if root else None
-    path = Path(data) if data else default
-    if path is not None and path.is_file():
+    path = root / "multihop_qa" / "hipporag_musique_train_100.json" if root else None
+    return path if path is not None and path.is_file() else None
+
+
+def fallback_paragraphs() -> Iterator[str]:
+    """:data:`FALLBACK_PARAGRAPHS` over and over, each time numbered anew: never periodic."""
+    for k in itertools.count(1):
+        for p in FALLBACK_PARAGRAPHS:
+            yield f"({k}) {p}"
+
+
+def text_pool(adapter: ModelAdapter, n: int, tokens: int, data: str | None) -> list[ChunkInput]:
+    """``n`` distinct chunks of ``tokens`` tokens cut from real paragraphs, in the data's order:
+    the multi-hop QA data's dev half (:func:`text_source`), continued when it runs out (and
+    replaced when it is absent) by numbered :data:`FALLBACK_PARAGRAPHS`. A chunk whose tokens
+    equal an earlier one's is left out, as the session would hold it once."""
+    paragraphs: list[str] = []
+    path = text_source(data)
+    if path is not None:
         for item in json.loads(path.read_text())[::2]:  # dev half only
             paragraphs += [p["title"] + ". " + p["paragraph_text"] for p in item["paragraphs"]]
-    source = paragraphs or itertools.cycle(FALLBACK_PARAGRAPHS)
     out: list[ChunkInput] = []
+    seen: set[tuple[int, ...]] = set()
     buf: list[int] = []
-    for p in source:
+    for p in itertools.chain(paragraphs, fallback_paragraphs()):
         buf += adapter.tokenizer(p + "\n", add_special_tokens=False)["input_ids"]
         while len(buf) >= tokens and len(out) < n:
-            out.append(adapter.text(buf[:tokens]))
-            buf = buf[tokens:]
+            ids, buf = tuple(buf[:tokens]), buf[tokens:]
+            if ids not in seen:
+                seen.add(ids)
+                out.append(adapter.text(list(ids)))
         if len(out) == n:
             break
     return out
 
 
-def image_pool(adapter: ModelAdapter, n: int, side: int) -> list[ChunkInput]:
+def image_pool(adapter: ModelAdapter, n: int, side: int, seed: int = DEFAULT_SEED) -> list[ChunkInput]:
+    """``n`` synthetic images (colour blocks and their number), drawn from ``seed``."""
     from PIL import Image, ImageDraw
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     out = []
     for i in range(n):
         img = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
@@ -105,6 +132,44 @@ def image_pool(adapter: ModelAdapter, n: int, side: int) -> list[ChunkInput]:
     return out
 
 
+def plan_fill(
+    chunks: Sequence[tuple[str, int]], prefix_tokens: int, question_tokens: int, budget: int
+) -> tuple[list[str], list[str]]:
+    """Split a pool's ``(chunk id, tokens)`` (distinct ids, in order) into the window's first fill
+    (chunks taken in order while the prefix, the window and the question fit ``budget``) and the
+    rest, which the session's appends draw from. A pool that leaves fewer than
+    :data:`APPENDS` chunks after the fill is refused with ``ValueError``."""
+    ids = [c for c, _ in chunks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("the pool's chunk ids must be distinct")
+    tokens, n_fill = prefix_tokens, 0
+    for _, n in chunks:
+        if tokens + n + question_tokens > budget:
+            break
+        tokens, n_fill = tokens + n, n_fill + 1
+    fill, rest = ids[:n_fill], ids[n_fill:]
+    if len(rest) < APPENDS:
+        raise ValueError(
+            f"a {budget}-token window takes {len(fill)} of the pool's {len(ids)} distinct chunks, "
+            f"leaving {len(rest)} for the session's {APPENDS} appends: give a larger pool"
+        )
+    return fill, rest
+
+
+def session_inputs(
+    adapter: ModelAdapter, pool: Sequence[ChunkInput], prefix: ChunkInput, question: ChunkInput, budget: int
+) -> tuple[dict[str, ChunkInput], list[str], list[str]]:
+    """The pool by chunk id (a chunk equal to an earlier one kept once), the first fill's ids and
+    the ids left for the appends (:func:`plan_fill`)."""
+    inputs: dict[str, ChunkInput] = {}
+    for c in pool:
+        inputs.setdefault(adapter.chunk_key(c), c)
+    fill, rest = plan_fill(
+        [(k, c.n_tokens) for k, c in inputs.items()], prefix.n_tokens, question.n_tokens, budget
+    )
+    return inputs, fill, rest
+
+
 def run_session(
     adapter: ModelAdapter,
     pool: list[ChunkInput],
@@ -113,16 +178,14 @@ def run_session(
     budget: int,
     rope_kernel: str,
     log: Callable[[str], None],
+    seed: int = DEFAULT_SEED,
 ) -> dict[str, Any]:
+    inputs, fill, rest = session_inputs(adapter, pool, prefix, question, budget)
     store = TieredStore.from_config(StoreConfig(host_bytes=8 << 30))
     cm = ContextManager(adapter, store, WindowConfig(budget_tokens=budget, rope_kernel=rope_kernel), prefix)
-    inputs = {adapter.chunk_key(c): c for c in pool}
-    order = list(inputs)
-    fill, rest = [], order
     enc_fill = encoder_calls(adapter)
-    while rest and cm.tokens + inputs[rest[0]].n_tokens + question.n_tokens <= budget:
-        cm.append(inputs[rest[0]])
-        fill.append(rest.pop(0))
+    for chunk_id in fill:
+        cm.append(inputs[chunk_id])
     enc_fill = encoder_calls(adapter) - enc_fill
     cm.finalize()
     cm.invalidate()
@@ -148,7 +211,7 @@ def run_session(
             cm.slide(1)
         elif op == "reorder":
             ids = [v.chunk_id for v in cm.view()[1:]]
-            random.Random(1).shuffle(ids)
+            random.Random(seed + 1).shuffle(ids)
             cm.reorder(ids)
         else:
             cm.recall(cm.evicted[0], at=1)
@@ -193,7 +256,7 @@ def run_session(
             "kamera_own_prefill_ms": 1000 * own_prefill_s,
             "finalize_ms": 1000 * finalize_s,
             "tokens_rotated": rotated,
-            "copy_floor_ms": copy_floor_ms(prefix_keys, rotated),
+            "copy_floor_ms": copy_floor_ms(prefix_keys, rotated, seed=seed),
             "first_token_same": {"prefix": tok_p == tok_r, "kamera": tok_k == tok_r},
             "sources": [str(v.source) for v in cm.view()],
         }
@@ -213,14 +276,16 @@ def run_session(
     }
 
 
-def copy_floor_ms(like: torch.Tensor, n_tokens: int, repeats: int = 3) -> float:
+def copy_floor_ms(like: torch.Tensor, n_tokens: int, repeats: int = 3, seed: int = DEFAULT_SEED) -> float:
     """Milliseconds to copy ``n_tokens`` tokens' keys of every layer once (``like``: a placed
     ``[layers, heads, T, dim]`` key tensor), best of ``repeats``: the memory traffic any
     re-rotation of those keys needs at least (read once, write once)."""
     if n_tokens == 0:
         return 0.0
     shape = (like.shape[0], like.shape[1], n_tokens, *like.shape[3:])
-    src, dst = torch.randn(shape, dtype=like.dtype), torch.empty(shape, dtype=like.dtype)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(shape, generator=g).to(like.dtype)
+    dst = torch.empty(shape, dtype=like.dtype)
     best = math.inf
     for _ in range(repeats):
         t = time.perf_counter()
@@ -251,6 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="smollm2,qwen2.5-vl")
     parser.add_argument("--data", default=None, help="multi-hop QA JSON for the text chunks")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="draws the images and the reorder step's permutation (the same seed, the same inputs)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -267,8 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out
 
     sizes, vl_sizes = window_sizes(args.sizes, "--sizes"), window_sizes(args.vl_sizes, "--vl-sizes")
-    console = Console()
-    report: dict[str, Any] = {"runs": [], "steps": [], "threads": torch.get_num_threads()}
+    console = make_console()
+    report: dict[str, Any] = {"runs": [], "steps": [], "threads": torch.get_num_threads(), "seed": args.seed}
     models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(models) - {"smollm2", "qwen2.5-vl"})
     if unknown:
@@ -288,11 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "input_ids"
             ]
         )
+        source = text_source(args.data)
+        report["text_source"] = str(source) if source is not None else "fallback paragraphs"
         for size in sizes:
             n = size // args.chunk_tokens + 4
             pool = text_pool(smol, n, args.chunk_tokens, args.data)
             console.print(f"[bold]smollm2[/] window {size} tokens, {len(pool)} chunks of {args.chunk_tokens}")
-            run = run_session(smol, pool, prefix, question, size, args.rope_kernel, console.print)
+            run = run_session(smol, pool, prefix, question, size, args.rope_kernel, console.print, args.seed)
             run.update({"model": "smollm2", "window": size, "summary": summarise(run["steps"])})
             report["runs"].append(run)
     if "qwen2.5-vl" in models:
@@ -301,10 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         vl = load_adapter("tiny:qwen2.5-vl")
         prefix, question = vl.text(torch.arange(5, 25)), vl.text(torch.arange(40, 56))
         for size in vl_sizes:
-            per_image = image_pool(vl, 1, args.image_side)[0].n_tokens
-            pool = image_pool(vl, size // per_image + 4, args.image_side)
+            per_image = image_pool(vl, 1, args.image_side, args.seed)[0].n_tokens
+            pool = image_pool(vl, size // per_image + 4, args.image_side, args.seed)
             console.print(f"[bold]qwen2.5-vl (random weights)[/] window {size} tokens, {len(pool)} images")
-            run = run_session(vl, pool, prefix, question, size, args.rope_kernel, console.print)
+            run = run_session(vl, pool, prefix, question, size, args.rope_kernel, console.print, args.seed)
             run.update({"model": "qwen2.5-vl", "window": size, "summary": summarise(run["steps"])})
             report["runs"].append(run)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -353,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{ms['reprefill'] / ms['kamera']:.1f}",
                 "yes" if s["first_token_same"]["kamera"] else "no",
             )
-        console.print(t)
+        print_table(console, t)
         console.print(
             f"  summary {json.dumps({k: round(v, 2) for k, v in run['summary'].items()})}; "
             f"vision encoder calls over the steps {run['vision_encoder_calls']}, Kamera's over the "

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.tables import make_console
+from agent.tables import print_table as draw
 from bench.answers import Codec
 from bench.methods import split_oracles
 from bench.video_multihop_eval import frame_encoder, run
@@ -107,7 +109,7 @@ def _table(console: Any, title: str, methods: dict[str, dict[str, Any]]) -> None
             str(m["encoder_calls"]),
             f(100 * m["recompute"], ".0f"),
         )
-    console.print(t)
+    draw(console, t)
 
 
 def load_model(name: str | None) -> QwenVLAdapter:
@@ -172,10 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.limit <= 0:
         parser.error("--limit must be positive")
 
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = make_console()
     if args.threads:
         torch.set_num_threads(args.threads)
     config = VideoConfig(

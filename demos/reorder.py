@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from agent.adapters.loading import load_adapter
@@ -32,6 +31,7 @@ from agent.server.answer import answer
 from agent.server.chat import Message, render
 from agent.server.generation import SamplingParams
 from agent.server.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
+from agent.tables import make_console, print_table
 from cache.store import StoreConfig, TieredStore
 
 SYSTEM = "You are a helpful assistant. Answer from the documents, in a few words."
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
-    console = Console()
+    console = make_console()
     try:
         order = [int(i) for i in args.order.split(",")]
     except ValueError:
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "-",
     )
     console.print(f"[bold]question[/] {args.question}")
-    console.print(table)
+    print_table(console, table)
     console.print(
         "[dim]fast: stored KV moved by rotation alone; repair: moved, and the tokens whose layer-1 "
         "KV deviates most in this context recomputed through every layer, then decoded under a "

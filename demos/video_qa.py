@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -38,6 +39,7 @@ import torch
 
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, frozen_heap
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.tables import make_console
 from demos.retrieval import RETRIEVALS
 from demos.video_session import LAYOUTS, SYSTEM_PROMPT, Asked, VideoSession
 from demos.vl_model import TINY, UsageError, load_vl_adapter
@@ -234,7 +236,6 @@ def _play(
     load_s: float,
 ) -> dict[str, Any]:
     """The session itself: the stream decoded once, questions answered as their time comes."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tools.video import iter_frames, plan_sampling
@@ -246,7 +247,7 @@ def _play(
     measured = 0.0  # time spent on the re-prefill baseline, kept out of total_s
     n_sampled, last_t = 0, 0.0
     decode_s = 0.0  # decoding, sampling and preprocessing the frames: the baseline reads them too
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("decoding and encoding frames", total=len(plan.indices))
@@ -422,16 +423,21 @@ def spans(times: Sequence[float]) -> str:
     return ", ".join(parts)
 
 
-def print_report(report: dict[str, Any]) -> None:
+def print_report(report: dict[str, Any], width: int = 80) -> None:
+    """The answers and the session's figures, wrapped to ``width`` columns (80: any terminal, any log)."""
+
+    def say(text: str, indent: str = "") -> None:
+        print(textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent + "  "))
+
     for q in report["questions"]:
         times = spans(q["frame_times"])
-        print(f"[{clock(q['asked_at_s'])}] Q: {q['question']}")
+        say(f"[{clock(q['asked_at_s'])}] Q: {q['question']}")
         expected = q.get("expected")
         mark = ""
         if expected is not None:
             mark = "  (right)" if q["answer"] == expected else f"  (expected {expected!r})"
-        print(f"  A: {q['answer']!r}{mark}")
-        print(f"  frames at {times}; ttft {q['ttft_ms']:.0f} ms")
+        say(f"A: {q['answer']!r}{mark}", "  ")
+        say(f"frames at {times}; ttft {q['ttft_ms']:.0f} ms", "  ")
     line = (
         f"{report['frames_sampled']} frames sampled ({report['distinct_frames']} distinct), "
         f"{report['vision_encoder_calls']} vision encoder calls, {report['tokens_reused']} tokens reused, "
@@ -441,12 +447,12 @@ def print_report(report: dict[str, Any]) -> None:
         line += f"; re-prefill ttft {report['reprefill_ttft_ms']:.0f} ms"
     if "reencode_total_s" in report:
         line += f"; re-encoding every question {report['reencode_total_s']:.1f} s"
-    print(line)
+    say(line)
     if report.get("with_expected"):
         line = f"{report['correct']} of {report['with_expected']} answers right"
         if "reencode_correct" in report:
             line += f" (re-encoding every window: {report['reencode_correct']})"
-        print(line)
+        say(line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -156,7 +156,10 @@ def load_adapter(
 @lru_cache(maxsize=4)
 def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
+    # a sub-second bar that draws 150 columns of carriage returns into every piped log
+    hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(path)
     arch = config.model_type
     if arch == "qwen3_vl":
