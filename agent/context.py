@@ -365,15 +365,6 @@ class ContextManager:
         self._slots.insert(1, self._slots.pop(index))
         return self.slide(1)[0]
 
-    def prepare_orbit(self) -> int:
-        """Fit an orbit patch for every chunk of the current set over sampled orderings.
-
-        Runs ``orbit_orderings`` prefills of the whole set (off the path to the next token) so a
-        later :meth:`reorder` of this set needs no forward pass. Returns the patches stored.
-        """
-        slots = self._slots[1:]
-        return self._keep.fit_orbits(self._slots[0].kv, [(s.chunk_id, s.input, s.finalized) for s in slots])
-
     @torch.inference_mode()
     def finalize(self) -> int:
         """Encode the canonical KV and fit the patch of every chunk prefilled since the last call."""

@@ -53,10 +53,6 @@ def json_schema_grammar(schema: dict[str, Any], strict: bool) -> str:
     return f"start: {schema_rule(schema, lenient=not strict)}\n"
 
 
-def json_object_grammar() -> str:
-    return json_schema_grammar({"type": "object"}, strict=True)
-
-
 def unpack_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """A packed int32 bitmask ``[ceil(V / 32)]`` (bit ``i % 32`` of word ``i // 32`` is token i)
     as a bool tensor ``[vocab]``; tokens past the mask's end are not allowed."""

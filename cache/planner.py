@@ -105,10 +105,6 @@ class Planner:
         self._root_key = namespace.encoded
         self._keys = KeyMemo(namespace, self.config.key_memo_entries)
 
-    def chunk_spans(self, tokens: np.ndarray, boundaries: Iterable[int] = ()) -> list[tuple[int, int]]:
-        """[(start, end), ...] of the chunks of ``tokens`` [T]."""
-        return spans(chunk_bounds(tokens, self.config.cdc, boundaries, self.config.chunker))
-
     def plan(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, boundaries: Iterable[int] = ()) -> Plan:
         """Reuse plan for ``tokens`` [T] with structural ``boundaries`` (offsets in [0, T])."""
         ids = as_token_array(tokens)

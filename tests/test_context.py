@@ -238,43 +238,6 @@ def test_conditioned_keep_recalls_the_exact_kv_without_extra_passes(adapter: Mod
     )
 
 
-def test_reorder_with_orbit_patches_needs_no_forward_pass(adapter: ModelAdapter) -> None:
-    """With full-rank factors, an orbit-patched chunk is its canonical KV plus the mean of its
-    deltas over every ordering of the set (two chunks: both orderings, exhaustively)."""
-    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
-    prefix = TextInput(torch.arange(2, 8))
-    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET, patch=FULL_RANK), prefix)
-    a, b = pool()[:2]
-    cm.append(a)
-    cm.append(b)
-    cm.finalize()
-    assert cm.prepare_orbit() == 2
-    prefilled, encodes = cm.counters.tokens_prefilled, cm.counters.canonical_encodes
-    ids = [v.chunk_id for v in cm.view()[1:]]
-    cm.reorder(ids[::-1])
-    assert [v.source for v in cm.view()[1:]] == [Source.ORBIT, Source.ORBIT]
-    assert (cm.counters.tokens_prefilled, cm.counters.canonical_encodes) == (prefilled, encodes)
-
-    prefix_kv = adapter.encode(prefix)
-    deltas = []
-    canonical_a = adapter.encode(a)
-    for order in ((a, b), (b, a)):
-        cache = adapter.new_cache([prefix_kv.place(0, adapter.spec)])
-        start = prefix_kv.extent
-        for chunk in order:
-            out = adapter.prefill(chunk, cache, start)
-            start += out.kv.extent
-            if chunk is a:
-                deltas.append(out.kv.k - canonical_a.k)
-    expected_k = canonical_a.k + torch.stack(deltas).mean(0)
-    view = cm.view()
-    start_a = view[2].start
-    keys = cm.placed_kv(2)[0]
-    at = start_a + cm.offset
-    ref = reference_rotate(expected_k, torch.arange(at, at + a.n_tokens), adapter.spec).float()
-    torch.testing.assert_close(keys, ref, rtol=1e-4, atol=2e-5)
-
-
 def test_window_moves_touch_only_what_moved(adapter: ModelAdapter) -> None:
     """A slide rotates the prefix, not the survivors (the window shifts as a whole); a recall at
     the front writes the recalled chunk and moves the prefix back; the arena holds no holes."""

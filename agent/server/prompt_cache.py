@@ -54,7 +54,6 @@ Not here: prompts, segments and keys (``prompt.py``), sampling (``generation.py`
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
@@ -466,7 +465,3 @@ class PromptCache:
             }
             written += records.put(self.store, key, Entry({}, meta, tokens=ctx.fingerprint(a, b)))
         return written
-
-
-def elapsed_ms(t0: float) -> float:
-    return 1000 * (time.perf_counter() - t0)
