@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from bench.agreement import answer_fields, ttft_fields
 from cache.keys import digest_key
 from cache.native import cache_dir
 
@@ -255,8 +256,6 @@ class Peer:
 
 def summarize_peer(rows: Sequence[PeerRow]) -> dict[str, Any]:
     """llama.cpp's figures, named as Kamera's are in ``bench.consistency.summarize``."""
-    from bench.consistency import answer_fields, ttft_fields
-
     hit = [r for r in rows if r.cached.cached_tokens > 0]
     total = sum(r.cached.prompt_tokens for r in rows) or 1
     cached = sum(r.cached.cached_tokens for r in rows) / total
