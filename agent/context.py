@@ -1,7 +1,7 @@
 """The context manager: an ordered window of chunks under a token budget, on a position-free store.
 
 The window starts with a pinned prefix (the system prompt, also the attention sink: never
-evicted). The operations and what they cost (DESIGN.md section 3):
+evicted). The operations and what they cost (docs/DESIGN.md section 5.1):
 
 - ``append``: the chunk is prefilled in context, attending to the window; its conditioned KV
   is exact. Its canonical KV (the chunk alone) and its patch are fitted later, by

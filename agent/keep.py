@@ -1,4 +1,4 @@
-"""What a window chunk leaves in the store and gets back (DESIGN.md section 3).
+"""What a window chunk leaves in the store and gets back (docs/DESIGN.md section 5.2).
 
 A chunk prefilled in a window has its *conditioned* KV, exact for the antecedents it was
 prefilled after. Off the path to the next token (:meth:`Keeper.finalize`) it leaves either

@@ -6,7 +6,7 @@ A request (an HTTP session step, a demo's script) says what to do to a window as
 exists is one the window can be asked to do (whether it succeeds, e.g. recalling an id that was
 never evicted, is the window's answer).
 
-Not here: what the operations do to KV (``agent/context.py``, DESIGN.md section 3).
+Not here: what the operations do to KV (``agent/context.py``, docs/DESIGN.md section 5.1).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ RoPE rotates each frequency pair of a key by the angle ``position * inv_freq[j]`
 compose, ``R(p + d) = R(d) R(p)``, so a key rotated for position ``p`` moves to ``p + d`` by one
 more rotation, and a key with its rotation removed (the *pre-RoPE frame*) carries no position.
 
-Conventions (read from transformers' own code, see DESIGN.md section 7):
+Conventions (read from transformers' own code, see docs/DESIGN.md section 3.6):
 
 - ``pairing="half"``: frequency ``j`` pairs dims ``(j, j + rotary_dim/2)`` (HF ``rotate_half``,
   Llama, Qwen, GPT-NeoX, Phi). ``pairing="interleaved"``: it pairs ``(2j, 2j + 1)`` (DeepSeek's
