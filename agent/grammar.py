@@ -27,6 +27,7 @@ import llguidance.torch
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.adapters.tokenizer import is_fast_tokenizer
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -99,7 +100,7 @@ class GrammarEngine:
         eos = sorted(eos_ids)
         self.vocab = vocab
         try:
-            if _is_fast_hf(tokenizer):
+            if is_fast_tokenizer(tokenizer):
                 self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
             else:
                 table = llguidance.TokenizerWrapper(_ByteTable(tokenizer, eos[0]))
@@ -127,14 +128,6 @@ class GrammarEngine:
         )
         if problem:
             raise GrammarError(_first_line(problem))
-
-
-def _is_fast_hf(tokenizer: Any) -> bool:
-    try:
-        import transformers
-    except ImportError:
-        return False
-    return isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
 
 
 class _ByteTable:

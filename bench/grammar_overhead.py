@@ -150,11 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
     from agent.adapters.loading import resolve
+    from agent.adapters.tokenizer import checkpoint_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(resolve(None)))
+    tok = checkpoint_tokenizer(resolve(None))
     text = json.dumps(DOCUMENT, separators=(",", ":"))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     print(f"vocabulary {len(tok)}, document {len(ids)} tokens, {args.repeats} replays")

@@ -136,9 +136,9 @@ class TemplateTokenizer:
     is tokenized on its own (cached), so messages start on token bounds. With the marker a
     special token, the pieces' ids concatenate to the ids of the whole text. Inside a piece,
     the body starts after the header line (marker and role) and ends at ``end_marker``; these
-    and the body's tool-call structure (:func:`bench.traces_data.body_cuts`) are reported as
+    and the body's tool-call structure (:func:`body_cuts`) are reported as
     boundaries, before the token holding each (the ids are never changed to make one). Message
-    bodies are :func:`bench.traces_data.message_body` (tool calls as JSON), since the template
+    bodies are :func:`message_body` (tool calls as JSON), since the template
     shows only ``content``. Needs a fast tokenizer (character offsets).
     """
 
@@ -181,11 +181,10 @@ def load_tokenizer(kind: str) -> tuple[Tokenizer, Any]:
     if kind == "word":
         return MessageTokenizer(word_encode), None
     if kind == "model":
-        from transformers import AutoTokenizer
-
         from agent.adapters.loading import embedded_text_model_dir
+        from agent.adapters.tokenizer import checkpoint_tokenizer
 
-        return TemplateTokenizer(AutoTokenizer.from_pretrained(embedded_text_model_dir())), None
+        return TemplateTokenizer(checkpoint_tokenizer(embedded_text_model_dir())), None
     if kind == "adapter":
         from agent.adapters.loading import load_adapter
 
