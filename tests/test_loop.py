@@ -6,13 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from _util import greedy, max_rel
 
 from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
-from agent.loop import Agent, TextObservation
+from agent.loop import Agent, ChatML, TextObservation
 from agent.server.chat import ByteTokenizer
 
+SYSTEM = "You answer from notes."
 NOTES = [TextObservation(" ".join(f"note {i}.{j} is {i * j}" for j in range(12))) for i in range(6)]
+BUDGET, MAX_NEW_TOKENS = 900, 12
 
 
 @pytest.fixture(scope="module")
@@ -24,21 +28,99 @@ def llama() -> Any:
 
 def run(adapter: Any, reuse: str, margin: float = 1.0) -> tuple[Agent, list[str]]:
     """Six steps over a window too small for all the notes: early ones slide out."""
-    window = WindowConfig(budget_tokens=900, reuse=reuse, repair_margin=margin)
-    agent = Agent(adapter, "You answer from notes.", window=window, max_new_tokens=12, finalize=False)
+    window = WindowConfig(budget_tokens=BUDGET, reuse=reuse, repair_margin=margin)
+    agent = Agent(adapter, SYSTEM, window=window, max_new_tokens=MAX_NEW_TOKENS, finalize=False)
     outputs = [agent.step([note], f"What is note {i}.3?").output for i, note in enumerate(NOTES)]
     return agent, outputs
 
 
-def test_a_window_that_slid_answers_like_a_fresh_prefill_once_repair_falls_back(llama: Any) -> None:
-    exact_agent, exact = run(llama, "exact")
-    assert exact_agent.context.counters.slides > 0  # the window moved: reused KV is approximate
-    # a fresh prefill for every step whose window moved; one still as appended needs none
-    moved = exact_agent.context.counters.fresh_prefills
-    assert 0 < moved < len(NOTES)
-    always, guarded = run(llama, "repair", margin=1e9)  # every first step is a close call
-    assert guarded == exact
-    assert always.context.counters.fresh_prefills == moved
+def fresh_answer(adapter: Any, window: list[list[int]], question: list[int]) -> tuple[list[int], list[Any]]:
+    """The step answered on a prefill of ``window`` from nothing, straight through the adapter: its
+    chunks one after another on an empty cache from position 0 (the passes the loop's re-prefill
+    of its window runs, ``ContextManager.fresh_cache``), then the instruction, then greedy
+    decoding. The tokens and the logits each was chosen from."""
+    with torch.inference_mode():
+        cache, start = adapter.empty_cache(), 0
+        for chunk in window:
+            start += adapter.prefill(adapter.text(chunk), cache, start).kv.extent
+        first = adapter.next_logits(adapter.text(question), cache, start)
+        return greedy(adapter, first, cache, start + len(question), MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("reuse", "margin"),
+    [("exact", 0.5), ("repair", 1e9)],  # repair at that margin: every step on moved KV is a close call
+)
+def test_each_step_answers_as_a_fresh_prefill_of_its_window(
+    llama: Any, monkeypatch: pytest.MonkeyPatch, reuse: str, margin: float
+) -> None:
+    """The window is followed here on its own (the system prompt pinned, then each note and each
+    turn of instruction, answer and turn end; the oldest after the prompt leave while the window
+    is over budget) and every step is answered again on a prefill of it from nothing. Once a slide
+    has moved the chunks the step answers on, exact mode re-prefills the window and repair falls
+    back to that re-prefill: the logits the first token is chosen from are the reference's bit for
+    bit, and every token the same (the window's chunks, the turns among them, are compared by
+    content key)."""
+    chat = ChatML()
+
+    def ids(text: str) -> list[int]:
+        return list(llama.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    real_next, real_ask = llama.next_logits, llama.prefill_and_ask
+    chosen_from: list[Any] = []  # the logits of each prompt the step ran, last: the one it answered on
+
+    def next_logits(chunk: Any, cache: Any, start: int) -> Any:
+        chosen_from.append(real_next(chunk, cache, start))
+        return chosen_from[-1]
+
+    def prefill_and_ask(chunks: Any, prompt: Any, cache: Any, start: int) -> Any:
+        kvs, logits = real_ask(chunks, prompt, cache, start)
+        chosen_from.append(logits)
+        return kvs, logits
+
+    agent = Agent(
+        llama,
+        SYSTEM,
+        window=WindowConfig(budget_tokens=BUDGET, reuse=reuse, repair_margin=margin),
+        max_new_tokens=MAX_NEW_TOKENS,
+        finalize=False,
+    )
+    monkeypatch.setattr(llama, "next_logits", next_logits)
+    monkeypatch.setattr(llama, "prefill_and_ask", prefill_and_ask)
+    window = [ids(chat.system(SYSTEM))]
+    moved = [False]  # per chunk of ``window``: it survived a slide (its KV moved)
+
+    def add(chunk: list[int]) -> None:
+        window.append(chunk)
+        moved.append(False)
+        while sum(map(len, window)) > BUDGET:
+            del window[1], moved[1]
+            moved[1:] = [True] * (len(moved) - 1)
+
+    answered_fresh = 0
+    for i, note in enumerate(NOTES):
+        question = f"What is note {i}.3?"
+        add(ids(chat.user_text(note.text)))
+        instruction = ids(chat.instruction(question))
+        tokens, steps = fresh_answer(llama, window, instruction)
+        chosen_from.clear()
+        result = agent.step([note], question)
+        assert result.output == llama.tokenizer.decode(tokens), f"step {i}"
+        err = max_rel(chosen_from[-1], steps[0])
+        if any(moved):
+            answered_fresh += 1
+            same = torch.equal(chosen_from[-1], steps[0])
+            assert same, f"step {i}: first logits {err:.1e} off a fresh prefill's"
+        else:
+            # an unmoved window answers on the KV it holds, which is not a re-prefill's to the last
+            # bit (the system prompt was encoded alone and rotated onto the window; turns were
+            # written one decoded token at a time), only close to it
+            assert err < 1e-5, f"step {i}: first logits {err:.1e} off a fresh prefill's"
+        add(instruction + tokens + ids(chat.end_of_turn()))
+        want = [llama.chunk_key(llama.text(chunk)) for chunk in window]
+        assert [v.chunk_id for v in agent.context.view()] == want, f"step {i}"
+    assert 0 < answered_fresh < len(NOTES)  # both kinds of step were checked
+    assert agent.context.counters.fresh_prefills == answered_fresh
 
 
 def test_fast_never_falls_back_and_repair_only_on_close_calls(llama: Any) -> None:
