@@ -77,19 +77,101 @@ def test_replay_exact_mode_keeps_every_answer(llama: Any) -> None:
     assert summarize(rows["repair"])["repair_residuals"] == []  # append: nothing moved
 
 
-def test_gap_error_and_margin_scale_read_what_repair_left(llama: Any) -> None:
-    """The gap error is how far the cached logits moved the reference's best two apart; the
-    margin scale is the largest |gap error| / sqrt(residual) over requests decoded on repaired KV
-    (the window policy moves the reused turns), and covers each of them."""
+def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> None:
+    """First-token logits made by hand beside a full prefill's, with the residual repair left and
+    every figure worked out here: the gap errors of the requests decoded on repaired KV, the
+    scale a guard margin ``c * sqrt(residual)`` needs, and what the guard then does with each."""
+    import threading
+
+    from agent.server.answer import guard_margin
+    from agent.server.generation import decode
+    from agent.server.prompt_cache import PromptUsage
+    from bench.consistency import Outcome, Row
+
+    def row(ref: list[float], cached: list[float], relocated: int, residual: float, fallback: int = 0) -> Row:
+        usage = PromptUsage(
+            100, 0, relocated, 100 - relocated, relocated, 0, 0, "repair",
+            repair_residual=residual, fallback_tokens=fallback,
+        )  # fmt: skip
+        reference = Outcome([int(torch.tensor(ref).argmax())], torch.tensor(ref), 1.0, usage, [])
+        return Row("s", 0, 100, Outcome([], torch.tensor(cached), 1.0, usage, []), reference)
+
+    flip = row([2.0, 1.9, 0.0, -1.0], [1.0, 2.4, 0.0, -1.0], 40, 0.09)  # best two moved -1.0, +0.5
+    clear = row([0.0, 4.0, 1.0, 0.0], [0.0, 4.2, 1.4, 0.0], 40, 0.04)  # +0.2, +0.4
+    wider = row([1.0, 0.0, 3.0, 2.0], [1.0, 0.0, 3.3, 1.9], 40, 0.01)  # +0.3, -0.1
+    rows = [
+        flip,
+        row([2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], 0, 0.0),  # the exact prefix alone
+        clear,
+        row([2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], 0, 0.5, fallback=100),  # a repair given up
+        row([2.0, 1.0, 0.0, -1.0], [0.0, 9.0, 0.0, 0.0], 40, 0.0),  # moved blind: nothing measured
+        wider,
+    ]
     assert gap_error(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([3.5, 2.0, 9.0])) == pytest.approx(-0.5)
+    report = summarize(rows)
+    # per sqrt(residual): 1.5 / 0.3, 0.2 / 0.2, 0.4 / 0.1; the rows not decoded on repaired KV
+    # (the given-up repair answered on exact KV) or not measured have no part in it
+    assert report["gap_errors"] == pytest.approx([-1.5, -0.2, 0.4])
+    assert report["margin_scale"] == pytest.approx(5.0)
+
+    class Stub:  # what decode needs of an adapter for one greedy token
+        tokenizer, eos_ids = ByteTokenizer(), frozenset()
+
+    class ToReference:  # the guard's way to exact KV: the full prefill's logits
+        def __init__(self, r: Row, margin: float) -> None:
+            self.r, self.margin, self.taken = r, margin, False
+
+        def exact(self) -> tuple[Any, torch.Tensor, int]:
+            self.taken = True
+            return None, self.r.reference.logits, 0
+
+    def guarded(r: Row, scale: float) -> tuple[int, bool]:
+        unit = 1e-2  # margin c at residual unit: c * sqrt(residual / unit) = scale * sqrt(residual)
+        guard = ToReference(r, guard_margin(scale * math.sqrt(unit), r.cached.usage.repair_residual, unit))
+        params = SamplingParams(max_tokens=1)
+        out = decode(Stub(), r.cached.logits, None, 0, params, threading.Event(), guard=guard)  # type: ignore[arg-type]
+        return out.tokens[0], guard.taken
+
+    # at the scale measured, the flipped first token (cached gap 1.4 under a margin of 1.5) goes to
+    # exact KV and answers the full prefill's token; the clear calls keep repaired KV, and their
+    # token is the full prefill's already
+    assert int(flip.cached.logits.argmax()) != flip.reference.tokens[0]
+    assert guarded(flip, 5.0) == (flip.reference.tokens[0], True)
+    assert guarded(clear, 5.0) == (clear.reference.tokens[0], False)  # gap 2.8, margin 1.0
+    assert guarded(wider, 5.0) == (wider.reference.tokens[0], False)  # gap 1.4, margin 0.5
+    # a tenth short of it, the flip gets through (margin 1.35 over a gap of 1.4)
+    assert guarded(flip, 4.5) == (int(flip.cached.logits.argmax()), False)
+
+
+def test_gap_errors_are_read_against_an_independent_full_prefill(llama: Any) -> None:
+    """Replayed with the guard off, the window policy moves the reused turns: the bench's
+    reference for every request is the prompt prefilled from nothing straight through the model
+    (in the prompt cache's segments, bit for bit), the requests decoded on repaired KV answer from
+    other logits than it, and their gap errors are read against it."""
+    from _util import full_prefill
+
+    from agent.server.chat import render
+    from bench.consistency import to_messages
+    from bench.traces_policies import get_policy
+
     config = PromptCacheConfig(block_tokens=64, min_reuse_tokens=8, repair_margin=0.0)
-    rows = _replay(llama, "window-1", ["repair"], config)
-    report = summarize(rows["repair"])
-    watched = [r for r in rows["repair"] if r.cached.usage.relocated_tokens]
-    assert watched, "the window moved nothing: nothing to read"
-    assert len(report["gap_errors"]) == len(watched)
-    scale = report["margin_scale"]
-    for r, g in zip(watched, report["gap_errors"], strict=True):
-        assert g == pytest.approx(gap_error(r.reference.logits, r.cached.logits), abs=1e-5)
-        assert abs(g) <= scale * math.sqrt(r.cached.usage.repair_residual) + 1e-4
-    assert summarize(rows["repair"][:1])["margin_scale"] is None  # the first request moved nothing
+    rows = _replay(llama, "window-1", ["repair"], config)["repair"]
+    policy = get_policy("window-1")
+    watched = []
+    for step, (r, request) in enumerate(zip(rows, _session().requests, strict=True)):
+        pieces = render(llama.tokenizer, to_messages(policy(request, step)))
+        ids = [t for p in pieces for t in p.ids]
+        _, logits, _ = full_prefill(llama, ids, config.block_tokens)
+        assert r.prompt_tokens == len(ids)
+        same = torch.equal(r.reference.logits, logits)
+        assert same, f"request {step}: the bench's reference is no full prefill"
+        if r.cached.usage.relocated_tokens:
+            assert r.cached.usage.repair_residual > 0
+            assert r.cached.usage.repaired_tokens > 0
+            assert not torch.equal(r.cached.logits, logits)  # repaired KV: close, not equal
+            watched.append(gap_error(logits, r.cached.logits))
+    assert len(watched) == 2, "the window moved nothing: nothing to read"
+    report = summarize(rows)
+    assert report["gap_errors"] == pytest.approx(watched, abs=1e-5)
+    assert report["margin_scale"] > 0
+    assert summarize(rows[:1])["margin_scale"] is None  # the first request moved nothing
