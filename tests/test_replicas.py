@@ -14,10 +14,15 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from _util import full_prefill, greedy
 
+from agent.adapters.loading import load_adapter
+from agent.server.chat import ByteTokenizer, Message, render
 from bench.redis_server import RedisServer, RedisServerMissingError, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 4
 redis = pytest.importorskip("redis")
 DOC = " ".join(
     f"Item {i}: the {['red', 'blue', 'green'][i % 3]} crate weighs {i * 13} kg." for i in range(30)
@@ -66,8 +71,10 @@ class Replica:
             time.sleep(0.2)
         raise RuntimeError("kamera serve did not become healthy")
 
-    def chat(self, messages: list[dict[str, str]], key: str = "key-a", salt: str | None = None) -> Any:
-        body: dict[str, Any] = {"messages": messages, "max_tokens": 4, "temperature": 0}
+    def chat(
+        self, messages: list[dict[str, str]], key: str = "key-a", salt: str | None = None, **extra: Any
+    ) -> Any:
+        body: dict[str, Any] = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
         if salt is not None:
             body["cache_salt"] = salt
         r = httpx.post(
@@ -122,6 +129,90 @@ def conversation(
     return [{"role": "system", "content": system}, {"role": "user", "content": f"{doc}\n\n{question}"}]
 
 
+@pytest.fixture(scope="module")
+def model() -> Any:
+    """The replicas' model, built in this process the same way (same seed, same tokenizer)."""
+    return load_adapter("tiny:llama-gqa", tokenizer=ByteTokenizer())
+
+
+def full_prefill_answer(model: Any, messages: list[dict[str, str]]) -> tuple[int, list[dict[str, Any]]]:
+    """What a full prefill of ``messages`` answers, computed here straight through the model (no
+    server, no store): the prompt's length, and each generated token as a chat completion's
+    ``logprobs.content`` entry shows it (text, logprob, best two)."""
+    pieces = render(model.tokenizer, [Message(m["role"], (m["content"],)) for m in messages])
+    ids = [t for p in pieces for t in p.ids]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the replicas run (--threads 1)
+    try:
+        cache, logits, position = full_prefill(model, ids)
+        tokens, steps = greedy(model, logits, cache, position, MAX_TOKENS)
+    finally:
+        torch.set_num_threads(threads)
+    out = []
+    for token, step in zip(tokens, steps, strict=False):
+        logp = torch.log_softmax(step.float(), dim=-1)
+        values, best = logp.topk(2)
+        out.append(
+            {
+                "token": model.tokenizer.decode([token], skip_special_tokens=False),
+                "logprob": float(logp[token]),
+                "top": [float(v) for v in values],
+                "top_tokens": [model.tokenizer.decode([int(t)], skip_special_tokens=False) for t in best],
+            }
+        )
+    return len(ids), out
+
+
+def as_shown(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top": [t["logprob"] for t in e["top_logprobs"]],
+            "top_tokens": [t["token"] for t in e["top_logprobs"]],
+        }
+        for e in choice["logprobs"]["content"]
+    ]
+
+
+@pytest.mark.parametrize("mode", ["exact", "repair"])
+def test_b_answering_on_a_kv_answers_as_a_full_prefill(
+    replicas: tuple[Replica, Replica], model: Any, mode: str
+) -> None:
+    """B answers on KV that A prefilled and wrote to Redis: in exact mode a conversation one turn
+    further on (A's prompt its exact prefix), in repair mode the documents after another system
+    prompt (moved). Reuse must have come through the shared tier, and the answer (each token, its
+    logprob and the best two) is a full prefill's, computed in this process: bit for bit in exact
+    mode, the same tokens in repair."""
+    a, b = replicas
+    doc = DOC.replace("crate", f"sack ({mode})")
+    first = conversation("You are terse.", doc)
+    a.chat(first, kamera_reuse=mode)
+    a.flushed()
+    if mode == "exact":
+        turn = [{"role": "assistant", "content": "Item 29."}, {"role": "user", "content": "The lightest?"}]
+        second = [*first, *turn]
+    else:
+        second = conversation("You are a careful assistant. Today is Monday; the sky is clear.", doc)
+    got = b.chat(second, kamera_reuse=mode, logprobs=True, top_logprobs=2)
+    report = got["kamera"]
+    prompt_tokens, want = full_prefill_answer(model, second)
+    assert got["usage"]["prompt_tokens"] == prompt_tokens
+    assert report["shared_tokens"] > 0, report
+    assert b.metric("kamera_prompt_tokens_from_tier_total", 'tier="redis"') >= report["shared_tokens"]
+    shown = as_shown(got["choices"][0])
+    if mode == "exact":
+        assert report["prefix_tokens"] >= report["shared_tokens"]
+        assert report["relocated_tokens"] == 0
+        assert shown == want
+    else:
+        assert report["relocated_tokens"] > 0
+        assert [e["token"] for e in shown] == [e["token"] for e in want]
+        for e, w in zip(shown, want, strict=True):
+            assert e["top_tokens"] == w["top_tokens"]
+            assert [e["logprob"], *e["top"]] == pytest.approx([w["logprob"], *w["top"]], abs=1e-4)
+
+
 def test_b_reuses_what_a_prefilled_at_another_position(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     first = a.chat(conversation("You are terse."))
@@ -146,7 +237,9 @@ def test_another_tenant_reuses_nothing(replicas: tuple[Replica, Replica]) -> Non
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_corrupt_entry_is_refused(replicas: tuple[Replica, Replica], redis_server: RedisServer) -> None:
+def test_corrupt_entry_is_refused(
+    replicas: tuple[Replica, Replica], redis_server: RedisServer, model: Any
+) -> None:
     a, b = replicas
     client = redis.Redis.from_url(redis_server.url)
     before = set(client.keys("kamera:*"))
@@ -160,15 +253,15 @@ def test_corrupt_entry_is_refused(replicas: tuple[Replica, Replica], redis_serve
         value[-2] ^= 0x5A
         client.set(key, bytes(value))
     dropped = b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"')
-    refused = b.chat(messages, salt="corrupt")
+    refused = b.chat(messages, salt="corrupt", logprobs=True, top_logprobs=2)
     assert refused["kamera"]["shared_tokens"] == 0
     assert refused["kamera"]["prefilled_tokens"] == refused["usage"]["prompt_tokens"]
     # damaged entries B asked for were dropped and counted (not every key written in this window is
     # asked for: the segment holding the last token is always prefilled, and writes of earlier
     # requests may land meanwhile)
     assert b.metric("kamera_store_corrupt_dropped_total", 'tier="redis"') > dropped
-    full = b.chat(messages, salt="a fresh salt: a full prefill")
-    assert refused["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"]
+    # and what B answered is a full prefill's, computed here
+    assert as_shown(refused["choices"][0]) == full_prefill_answer(model, messages)[1]
 
 
 def test_redis_killed_mid_run(replicas: tuple[Replica, Replica], redis_server: RedisServer) -> None:
