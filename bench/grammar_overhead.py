@@ -7,7 +7,7 @@ Reported: the time from a new schema to its first mask (compile included, nothin
 mean / p50 / p99 mask time per token (what decoding pays on top of the forward pass), and the time
 to turn the packed mask into a boolean over the vocabulary.
 
-    python -m bench.grammar_overhead [--repeats 5] [--threads 1]
+    python -m bench.grammar_overhead [--repeats 5] [--threads 1] [--seed 0]
 
 Not here: the forward pass (the model is not run), or any GPU path.
 """
@@ -133,11 +133,13 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def unpack_ms(vocab: int, repeats: int = 200) -> float:
-    """Bitmask to a boolean over the vocabulary, as generation.py applies it."""
+def unpack_ms(vocab: int, repeats: int = 200, seed: int = 0) -> float:
+    """Bitmask to a boolean over the vocabulary, as generation.py applies it (the mask's bits
+    drawn from ``seed``)."""
     from agent.grammar import unpack_bitmask
 
-    mask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=g)
     t0 = time.perf_counter()
     for _ in range(repeats):
         unpack_bitmask(mask, vocab)
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="draws the packed mask that is unpacked")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from agent.adapters.loading import resolve
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "llguidance": run_llguidance(tok, ids, args.repeats),
         "xgrammar": run_xgrammar(tok, ids, args.repeats),
     }
-    results["unpack_ms"] = {"mean_ms": unpack_ms(len(tok))}
+    results["unpack_ms"] = {"mean_ms": unpack_ms(len(tok), seed=args.seed)}
     print(json.dumps(results, indent=2))
 
 

@@ -31,6 +31,7 @@ from cache.rope import RopeSpec, default_inv_freq, rotate
 STARTS = (1, 100, 1000)
 SIZES = (256, 1024, 4096, 16384)
 BENCH_KERNELS = ("eager", "native", "compiled")
+DEFAULT_SEED = 0
 # DeepSeek-V2 (236B) attention dimensions, for the MLA byte count
 DSV2 = {"layers": 60, "heads": 128, "qk_nope": 128, "qk_rope": 64, "v_head": 128, "kv_lora_rank": 512}
 
@@ -74,11 +75,12 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
 
 
 def throughput(
-    layout: str, shape: tuple[int, ...], spec: RopeSpec, size: int, repeats: int
+    layout: str, shape: tuple[int, ...], spec: RopeSpec, size: int, repeats: int, seed: int = DEFAULT_SEED
 ) -> dict[str, float]:
     """GB/s of a copy and of each rotation kernel, all into one preallocated buffer (as the
-    runtime writes into its window), so page faults of fresh allocations count for none."""
-    x = torch.randn(*shape[:2], size, shape[-1])
+    runtime writes into its window), so page faults of fresh allocations count for none. The
+    keys rotated are drawn from ``seed``."""
+    x = torch.randn(*shape[:2], size, shape[-1], generator=torch.Generator().manual_seed(seed))
     dst = torch.empty_like(x)
     positions = torch.arange(size) + 4096
     gb = x.numel() * x.element_size() / 1e9
@@ -104,13 +106,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-real", action="store_true", help="leave out the real SmolLM2 weights")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="draws the tiny models' token ids and the rotated keys (the tiny weights are seeded apart)",
+    )
     args = parser.parse_args(argv)
     console = make_console()
     from agent.adapters.loading import load_adapter
     from agent.adapters.tiny import BUILDERS
 
     families: dict[str, Any] = {}
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(args.seed)
     for name in BUILDERS:
         adapter = load_adapter(f"tiny:{name}")
         families[name] = family_exactness(adapter, adapter.text(torch.randint(2, 500, (48,), generator=g)))
@@ -139,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tput: dict[str, Any] = {}
     for layout, (shape, spec) in layouts.items():
         for size in sizes:
-            tput.setdefault(str(size), {})[layout] = throughput(layout, shape, spec, size, args.repeats)
+            tput.setdefault(str(size), {})[layout] = throughput(
+                layout, shape, spec, size, args.repeats, args.seed
+            )
     # The issue's keys at the top of each size: the SmolLM2 layout
     for size in tput.values():
         for key in ("relocate_gbps", "copy_gbps", "ratio"):
@@ -157,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ratio": expanded / latent,
         },
         "threads": torch.get_num_threads(),
+        "seed": args.seed,
     }
 
     t = Table(title="relocation exactness (chunk at 0 rotated to s vs prefilled at s; s in 1, 100, 1000)")

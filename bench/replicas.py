@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agent.tables import make_console, print_table
-from bench.redis_server import RedisServer
+from bench.redis_server import RedisServer, RedisServerMissingError
 from bench.traces import DEFAULT_CDC, SETS, parse_cdc, parse_sessions
 from bench.traces_data import Session, load_sessions
 from bench.traces_replay import NAMESPACE
@@ -48,6 +48,7 @@ from cache.store.redis_tier import connect
 
 SMOLLM2_BF16_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
 BREAK_EVEN_SIZES = (4, 8, 16, 32, 64, 128, 256, 512)
+DEFAULT_SEED = 0
 
 
 class Counts(NamedTuple):
@@ -169,13 +170,17 @@ def fields(
 # --- break-even chunk size ----------------------------------------------------------------------
 
 
-def fetch_times(redis_url: str, sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
-    """Seconds to fetch, decode and verify one chunk of n tokens at SmolLM2's bf16 layout (best of)."""
+def fetch_times(
+    redis_url: str, sizes: Sequence[int], repeats: int = 5, seed: int = DEFAULT_SEED
+) -> dict[int, float]:
+    """Seconds to fetch, decode and verify one chunk of n tokens at SmolLM2's bf16 layout (best
+    of); the chunks' values are drawn from ``seed``."""
     tier = RedisTier.from_config(RedisConfig(redis_url, timeout_s=5, connect_timeout_s=5))
+    g = torch.Generator().manual_seed(seed)
     out = {}
     for n in sizes:
         key = f"breakeven/{n}"
-        kv = torch.randn(2, 30, 3, n, 64).to(torch.bfloat16)
+        kv = torch.randn(2, 30, 3, n, 64, generator=g).to(torch.bfloat16)
         tier.submit(key, Entry({"k": kv[0], "v": kv[1]}, {"n_tokens": n}))
         tier.flush()
         best = float("inf")
@@ -278,25 +283,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--redis-url", default=None, help="a running Redis (flushed!); default: start redis-server"
     )
     ap.add_argument("--no-break-even", action="store_true")
+    ap.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="draws the break-even chunks' synthetic KV values"
+    )
     args = ap.parse_args(argv)
     console = make_console(stderr=True)
     tokenize, _ = load_tokenizer(args.tokenizer)
     requests, per_set = load_requests(args, tokenize)
     console.log(f"{len(requests)} requests, {sum(len(r[0]) for r in requests)} prompt tokens")
     config = PlannerConfig("gear", parse_cdc(args.cdc))
-    server = RedisServer() if args.redis_url is None else None
+    server, redis_note = None, None
+    if args.redis_url is None:
+        try:
+            server = RedisServer()
+        except RedisServerMissingError as e:  # the isolated rows need no Redis
+            redis_note = f"shared rows and break-even left out: {e}, and no --redis-url"
+            console.log(redis_note)
     url = server.start() if server is not None else args.redis_url
     try:
         timing: dict[str, Any] = {}
         prefill_s_per_token = 0.0
-        if not args.no_break_even:
+        if not args.no_break_even and url is not None:
             prefill = prefill_times(BREAK_EVEN_SIZES)
             if prefill is not None:
-                timing = break_even(fetch_times(url, BREAK_EVEN_SIZES), prefill)
+                timing = break_even(fetch_times(url, BREAK_EVEN_SIZES, seed=args.seed), prefill)
                 prefill_s_per_token = timing["prefill_s_per_token"]
         rows: dict[str, Any] = {}
         for r in (int(x) for x in args.replicas.split(",")):
-            for shared in (False, True):
+            for shared in (False, True) if url is not None else (False,):
                 counts, replicas, wall = replay(
                     requests, r, config, url if shared else None, args.kv_bytes_per_token
                 )
@@ -322,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "kv_bytes_per_token": args.kv_bytes_per_token,
             "smollm2_bf16_bytes_per_token": SMOLLM2_BF16_BYTES_PER_TOKEN,
             "clock": "wall time, this machine",
+            "seed": args.seed,
+            **({"redis": redis_note} if redis_note else {}),
         },
         "rows": rows,
         "break_even": timing,

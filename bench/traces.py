@@ -37,7 +37,7 @@ import torch
 from agent.tables import make_console
 from bench.traces_consistency import ORACLE_MODES, consistency, sample_turns
 from bench.traces_data import Session, data_root, load_jsonl, load_sessions, mini_swe_agent_usage
-from bench.traces_policies import get_policy
+from bench.traces_policies import DEFAULT_SEED, get_policy
 from bench.traces_replay import RequestStat, replay_session, summarize
 from bench.traces_report import BYTES_PER_TOKEN, TIMING_KEYS, policy_fields, print_tables, timing_fields
 from bench.traces_tokens import Tokenizer, load_tokenizer
@@ -102,8 +102,10 @@ def replay_sets(
     tokenize: Tokenizer,
     config: PlannerConfig,
     log: Callable[[str], None],
+    seed: int = DEFAULT_SEED,
 ) -> dict[str, dict[str, list[RequestStat]]]:
-    """Every session of every set under every policy: set -> policy -> request stats.
+    """Every session of every set under every policy (``seed``: the policies', see
+    :func:`get_policy`): set -> policy -> request stats.
 
     What is loaded by now (torch, transformers, the traces: ~400k objects) outlives the replay;
     it is frozen meanwhile so that the full collections the growing indexes trigger do not
@@ -117,7 +119,7 @@ def replay_sets(
             per_set[set_name] = {}
             for name in policies:
                 t0 = time.perf_counter()
-                policy = get_policy(name)
+                policy = get_policy(name, seed)
                 stats = [r for s in sessions for r in replay_session(s, policy, tokenize, config)]
                 per_set[set_name][name] = stats
                 log(f"{set_name} {name}: {len(stats)} requests, {time.perf_counter() - t0:.1f}s")
@@ -164,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--consistency-budget", type=int, default=768)
     ap.add_argument("--first-k", type=int, default=16)
     ap.add_argument("--patch-rank", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help="draws the rerank policy's permutations")
     args = ap.parse_args(argv)
     console = make_console(stderr=True)
     kind = "model" if args.tokenizer == "adapter" and args.tokenizer_only else args.tokenizer
@@ -174,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = PlannerConfig(args.chunker, cdc)
     sets = load_sets(args)
     policies = args.policies.split(",")
-    per_set = replay_sets(sets, policies, tokenize, config, console.log)
+    per_set = replay_sets(sets, policies, tokenize, config, console.log, args.seed)
 
     result: dict[str, Any] = {
         "config": {
@@ -184,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "chunker": args.chunker,
             "tokenizer": kind,
             "bytes_per_token": BYTES_PER_TOKEN,
+            "seed": args.seed,
         }
     }
     all_sessions = [s for v in sets.values() for s in v]
@@ -223,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = [m for m in args.consistency_models.split(",") if m]
     if args.consistency_turns > 0 and models:
         turns = sample_turns(
-            sets, policies, tokenize, config, args.consistency_turns, args.consistency_budget
+            sets, policies, tokenize, config, args.consistency_turns, args.consistency_budget, seed=args.seed
         )
         result["consistency"] = consistency(
             models, turns, config, adapter, console.log, args.first_k, args.patch_rank

@@ -22,7 +22,7 @@ import torch
 
 from bench.methods import kl_divergence
 from bench.traces_data import Session
-from bench.traces_policies import get_policy
+from bench.traces_policies import DEFAULT_SEED, get_policy
 from bench.traces_replay import NAMESPACE
 from bench.traces_tokens import Tokenized, Tokenizer
 from cache.keys import digest_key
@@ -231,12 +231,14 @@ def sample_turns(
     budget: int,
     min_relocated: int = 32,
     max_sources: int = 4,
+    seed: int = DEFAULT_SEED,
 ) -> list[tuple[str, str, str, list[Tokenized]]]:
     """``n`` distinct turns ``(set, policy, session id, truncated prompts 0..t)`` cycling over sets
     and the policies that move content; each turn relocates at least ``min_relocated`` tokens
     from at most ``max_sources`` earlier requests. A turn whose prompts equal one already taken
     (early in a session several policies render the same requests) is skipped, so no turn
-    counts twice. Deterministic: sessions in order, steps from 2 up."""
+    counts twice. Deterministic: sessions in order, steps from 2 up, the policies drawing from
+    ``seed`` (:func:`get_policy`)."""
     moving = [p for p in policies if p != "append"] or list(policies)
     combos = [(s, p) for p in moving for s in sets]
     out: list[tuple[str, str, str, list[Tokenized]]] = []
@@ -257,6 +259,7 @@ def sample_turns(
                     combo,
                     min_relocated,
                     max_sources,
+                    seed,
                 )
                 if found is None:
                     combos.remove(combo)
@@ -279,8 +282,9 @@ def _next_turn(
     combo: tuple[str, str],
     min_relocated: int,
     max_sources: int,
+    seed: int = DEFAULT_SEED,
 ) -> tuple[str, list[Tokenized]] | None:
-    policy = get_policy(policy_name)
+    policy = get_policy(policy_name, seed)
     while cursor[combo] < len(sessions):
         s = sessions[cursor[combo]]
         cursor[combo] += 1

@@ -4,7 +4,8 @@ A policy maps ``(request, step)`` to the message list actually sent: ``append`` 
 ``window-N`` (the system prompt and the last N turns), ``dynamic-system`` (a system header whose
 clock changes every step), ``mask-observations-N`` (tool output older than N turns replaced by a
 placeholder), ``rerank`` (the last tool output's passages in another order). Chosen by name from
-:data:`POLICIES` with :func:`get_policy`.
+:data:`POLICIES` with :func:`get_policy`, which hands its ``seed`` to the policies that draw
+(``rerank``): the same seed, the same messages.
 
 Not here: loading sessions (``traces_data.py``), tokenizing (``traces_tokens.py``), replaying
 (``traces_replay.py``).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
@@ -122,10 +123,17 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def get_policy(name: str) -> Policy:
-    """A policy by name; a trailing ``-N`` is its integer parameter (``window-6``)."""
+DEFAULT_SEED = 0
+
+
+def get_policy(name: str, seed: int = DEFAULT_SEED) -> Policy:
+    """A policy by name; a trailing ``-N`` is its integer parameter (``window-6``). ``seed`` goes
+    to the policies that draw anything (``rerank``); the others ignore it."""
     m = re.fullmatch(r"(.+?)-(\d+)", name)
     base, arg = (m.group(1), int(m.group(2))) if m and m.group(1) in POLICIES else (name, None)
     if base not in POLICIES:
         raise KeyError(f"unknown policy {name!r}; known: {sorted(POLICIES)} (some take -N)")
-    return POLICIES[base]() if arg is None else POLICIES[base](arg)
+    cls = POLICIES[base]
+    draws = is_dataclass(cls) and "seed" in {f.name for f in fields(cls)}
+    kw = {"seed": seed} if draws else {}
+    return cls(**kw) if arg is None else cls(arg, **kw)

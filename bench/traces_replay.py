@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bench.traces_data import SOURCES, Session, load_sessions
-from bench.traces_policies import Policy, get_policy
+from bench.traces_policies import DEFAULT_SEED, Policy, get_policy
 from bench.traces_tokens import MessageTokenizer, Tokenizer, word_encode
 from cache.cdc import CDCConfig, gear_values, window_hash
 from cache.keys import Namespace
@@ -127,11 +127,15 @@ def evaluate(
     policies: Sequence[str],
     tokenize: Tokenizer,
     config: PlannerConfig | None = None,
+    seed: int = DEFAULT_SEED,
 ) -> list[PolicyResult]:
-    """Token-weighted hit rates of every policy over all requests of all sessions."""
+    """Token-weighted hit rates of every policy over all requests of all sessions (``seed``: the
+    policies', see :func:`get_policy`)."""
     cfg = config or PlannerConfig()
     return [
-        summarize(name, [r for s in sessions for r in replay_session(s, get_policy(name), tokenize, cfg)])
+        summarize(
+            name, [r for s in sessions for r in replay_session(s, get_policy(name, seed), tokenize, cfg)]
+        )
         for name in policies
     ]
 
@@ -152,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--normalization", type=int, default=1)
     ap.add_argument("--chunker", default="gear")
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED, help="the rerank policy's permutations")
     args = ap.parse_args(argv)
     sessions = load_sessions(args.source, args.split)[: args.sessions]
     cfg = PlannerConfig(
@@ -160,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"{'policy':<22}{'req':>5}{'tokens':>10}{'prefix':>8}{'content':>8}{'oracle':>8}{'recov':>7}{'p50ms':>7}"
     )
-    for r in evaluate(sessions, args.policies.split(","), MessageTokenizer(word_encode), cfg):
+    for r in evaluate(sessions, args.policies.split(","), MessageTokenizer(word_encode), cfg, args.seed):
         print(
             f"{r.policy:<22}{r.n_requests:>5}{r.prompt_tokens:>10}{r.prefix_hit_rate:>8.3f}"
             f"{r.content_hit_rate:>8.3f}{r.oracle_hit_rate:>8.3f}{r.recovered_of_oracle:>7.3f}{r.p50_plan_ms:>7.2f}"

@@ -169,6 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-stored", action="store_true", help="leave out stored-r<max rank>")
     parser.add_argument("--max-new-tokens", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="draws the reorder scenario's permutations (0: the documented runs'); the episodes are "
+        "the world's fixed test split",
+    )
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     if args.limit <= 0:
@@ -186,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored=not args.no_stored,
         max_new_tokens=args.max_new_tokens,
         scenarios=SCENARIOS if args.scenario == "all" else (args.scenario,),
+        seed=args.seed,
     )
     adapter = load_model(args.model)
     world = world_config(adapter)

@@ -211,7 +211,7 @@ def run(
         records: list[Record] = []
         prefill_calls, frames = 0, set[str]()
         for i, ep in enumerate(episodes):
-            case = build_case(scenario, ep, previous_episode(i, world or WorldConfig()), enc)
+            case = build_case(scenario, ep, previous_episode(i, world or WorldConfig()), enc, config.seed)
             frames |= {content_id(p.chunk) for p in case.target if isinstance(p.chunk, ImageInput)}
             recs, pass_calls = evaluate_case(reuse, reference, store, codec, case, ep.questions, config)
             records += recs

@@ -78,19 +78,22 @@ def pairs(episode: Episode, enc: Encoders, order: Sequence[int] | None = None) -
     return out
 
 
-def shuffled_order(episode: Episode) -> list[int]:
-    """A seeded permutation of the frame numbers that is never the identity."""
+def shuffled_order(episode: Episode, seed: int = 0) -> list[int]:
+    """A permutation of the frame numbers that is never the identity, drawn from the episode's
+    seed and ``seed`` (0: the episode's seed alone, the permutation of the runs in the docs).
+    ``random.Random`` hashes a string seed with SHA-512, not ``hash()``: the same on every run."""
     n = len(episode.frames)
-    rng = random.Random(f"reorder/{episode.seed}")
+    rng = random.Random(f"reorder/{episode.seed}" if seed == 0 else f"reorder/{seed}/{episode.seed}")
     order = list(range(1, n + 1))
     while order == sorted(order):
         rng.shuffle(order)
     return order
 
 
-def build_case(scenario: str, episode: Episode, previous: Episode, enc: Encoders) -> Case:
+def build_case(scenario: str, episode: Episode, previous: Episode, enc: Encoders, seed: int = 0) -> Case:
     """The target and origin layouts of ``episode``; ``previous`` is the other episode that came
-    before it (slide) or that the previous exchange was about (recall)."""
+    before it (slide) or that the previous exchange was about (recall); ``seed``: the reorder
+    scenario's permutation (:func:`shuffled_order`)."""
     plain = pairs(episode, enc)
     if scenario == "slide":
         return Case(scenario, plain, [pairs(previous, enc) + plain])
@@ -100,7 +103,7 @@ def build_case(scenario: str, episode: Episode, previous: Episode, enc: Encoders
         target = [*pairs(previous, enc), turn, *plain]
         return Case(scenario, target, [plain, target])
     if scenario == "reorder":
-        return Case(scenario, pairs(episode, enc, shuffled_order(episode)), [plain])
+        return Case(scenario, pairs(episode, enc, shuffled_order(episode, seed)), [plain])
     raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
 
 

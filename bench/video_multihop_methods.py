@@ -49,6 +49,7 @@ class VideoConfig:
     stored: bool = True
     max_new_tokens: int = 2
     scenarios: tuple[str, ...] = SCENARIOS
+    seed: int = 0  # the reorder scenario's permutation (video_multihop_layout.shuffled_order)
 
     def __post_init__(self) -> None:
         if not self.ranks or any(r <= 0 for r in self.ranks):
