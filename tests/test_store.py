@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
+import os
+import queue
 import re
+import signal
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 
@@ -470,7 +476,19 @@ def test_threads_share_one_store() -> None:
         assert tier.bytes_in_use <= tier.budget_bytes
 
 
-def _process_worker(root: str, worker: int, n: int, other: int, done: Queue[tuple[int, int, int]]) -> None:
+def _process_worker(root: str, worker: int, n: int, other: int, done: Queue[tuple[int, object, int]]) -> None:
+    """Answer (worker, entries of the other worker read, corrupt files dropped), or on any error
+    (worker, "error", traceback) so the test fails at once with it; SIGUSR1 dumps its stacks."""
+    try:
+        stacks = open(Path(root) / f"worker{worker}.stacks", "w")  # noqa: SIM115 - open until exit
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        done.put((worker, *_share_directory(root, worker, n, other)))
+    except BaseException:
+        done.put((worker, "error", traceback.format_exc()))
+        raise
+
+
+def _share_directory(root: str, worker: int, n: int, other: int) -> tuple[int, int]:
     torch.set_num_threads(1)
     store = TieredStore.from_config(
         StoreConfig(host_bytes=3 * NBYTES, disk_bytes=10**7, disk_path=root, device="cpu", write_through=True)
@@ -488,7 +506,39 @@ def _process_worker(root: str, worker: int, n: int, other: int, done: Queue[tupl
         assert_same(got, make_entry(other * 1000 + seen, dtype=torch.bfloat16))
         seen += 1
     store.close()
-    done.put((worker, seen, store.stats().tier("disk").corrupt_dropped))
+    return seen, store.stats().tier("disk").corrupt_dropped
+
+
+def _answers(
+    procs: list[BaseProcess], done: Queue[tuple[int, object, int]], root: Path, wait_s: float = 120
+) -> list[tuple]:
+    """Every worker's answer, sorted. Fails at once with a worker's traceback, or with its exit code
+    when it died without answering; after `wait_s`, with the stacks of the workers still running."""
+    answers: dict[int, tuple[int, object, int]] = {}
+    deadline = time.monotonic() + wait_s
+    while len(answers) < len(procs):
+        try:
+            got = done.get(timeout=0.5)
+        except queue.Empty:
+            gone = [w for w, p in enumerate(procs) if w not in answers and p.exitcode is not None]
+            if gone:  # what a worker sent is in the pipe before it exits: one more look
+                with contextlib.suppress(queue.Empty):
+                    got = done.get(timeout=1)
+                    answers[got[0]] = got
+                    continue
+                pytest.fail(f"worker {gone[0]} exited with code {procs[gone[0]].exitcode} and no answer")
+            if time.monotonic() > deadline:
+                running = [w for w in range(len(procs)) if w not in answers]
+                for w in running:
+                    os.kill(procs[w].pid or 0, signal.SIGUSR1)
+                time.sleep(1)
+                stacks = "\n".join((root / f"worker{w}.stacks").read_text() for w in running)
+                pytest.fail(f"workers {running} gave no answer in {wait_s:.0f} s; their stacks:\n{stacks}")
+            continue
+        if got[1] == "error":
+            pytest.fail(f"worker {got[0]} failed:\n{got[2]}")
+        answers[got[0]] = got
+    return sorted(answers.values())
 
 
 def test_two_processes_share_a_directory(tmp_path: Path) -> None:
@@ -498,11 +548,19 @@ def test_two_processes_share_a_directory(tmp_path: Path) -> None:
     procs = [ctx.Process(target=_process_worker, args=(str(tmp_path), w, n, 1 - w, done)) for w in (0, 1)]
     for p in procs:
         p.start()
-    results = sorted(done.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    try:
+        results = _answers(procs, done, tmp_path)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
     assert results == [(0, n, 0), (1, n, 0)]
+    for w in (0, 1):
+        (tmp_path / f"worker{w}.stacks").unlink()
     reader = TieredStore([], DiskTier(tmp_path, 10**7))
     assert len(reader.keys()) == 2 * n
     for w in (0, 1):

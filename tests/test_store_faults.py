@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from cache.store import (
     TieredStore,
     decode_entry,
     encode_entry,
+    recovery,
     scan,
 )
 from tests.test_prompt_cache import CONFIG, full_prefill_logits, prompt_of
@@ -266,6 +268,75 @@ def test_dead_writers_temporary_files_are_removed(tmp_path: Path) -> None:
     assert live.exists()  # a live writer's work in progress
     live.unlink()
     assert_directory_sound(tmp_path, 10**7)
+
+
+@pytest.mark.parametrize("meanwhile", ["renamed", "removed"])
+def test_files_a_live_writer_moves_during_the_scan_are_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """Between the scan's listing and its look at a file, another process's writer renames its
+    temporary file into place, or removes a copy of its that lost to another: opening goes on."""
+    disk_store(tmp_path).put("a", entry(1))
+    files = tmp_path / "entries"
+    staged = files / "b.safetensors"
+    live = files / f".{staged.name}.{os.getpid()}.abc.tmp"  # listed first: its name starts with "."
+    live.write_bytes(encode_entry(entry(2).sealed("b")))
+    loser = files / "c.safetensors"
+    loser.write_bytes(encode_entry(entry(1).sealed("a")))
+    writer_alive = recovery.writer_alive
+
+    def writer_moves(name: str) -> bool:  # the scan asks about `live` after listing every file
+        if meanwhile == "renamed":
+            os.replace(live, staged)
+        else:
+            loser.unlink()
+        return writer_alive(name)
+
+    monkeypatch.setattr(recovery, "writer_alive", writer_moves)
+    opened = disk_store(tmp_path)
+    report = opened.tiers[0].recovery
+    assert report is not None
+    assert (report.entries, report.reindexed, report.removed) == (1, 0, 1 if meanwhile == "renamed" else 0)
+    assert opened.get("a") is not None
+    monkeypatch.undo()
+    if meanwhile == "renamed":  # the loser is removed as a copy; the renamed file is the writer's to publish
+        assert staged.exists()
+        assert not loser.exists()
+        assert disk_store(tmp_path).get("b") is not None  # or the next scan re-indexes it
+    else:
+        assert live.exists()  # a live writer's work in progress
+        live.unlink()
+    assert_directory_sound(tmp_path, 10**7)
+
+
+def test_a_scan_beside_a_writing_thread_never_fails(tmp_path: Path) -> None:
+    """Scans (every process opening the directory runs one) while a writer stages, publishes and
+    removes the copies that lose: each one returns, and leaves the directory sound."""
+    tier = DiskTier(tmp_path, 10**8, durable=False)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(10**6):
+                if stop.is_set():
+                    return
+                copies = [tier.stage(f"k{i}", entry(i, n=4)) for _ in range(2)]  # one of them loses
+                tier.commit_new(copies, "put")
+        except BaseException as err:
+            errors.append(err)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(150):
+            scan(tmp_path, budget=10**8, durable=False)
+    finally:
+        stop.set()
+        writer.join()
+    assert not errors
+    scan(tmp_path, budget=10**8, durable=False)
+    assert_directory_sound(tmp_path, 10**8)
 
 
 # -- processes: kill -9 during writes, two writers on one directory -------------------------------

@@ -13,6 +13,11 @@
 - then, with a `budget`, the least recently used entries (file mtimes, which every process's
   hits touch) are evicted until the rest fit.
 
+Other processes may be writing while a scan runs: their entry files are written and renamed
+into place, and their losing copies removed, without the lock, so a file listed at the start of
+the scan may be renamed or gone a moment later. Such a file is skipped (its writer publishes or
+removes it), never an error: every process opening a shared directory runs a scan.
+
 With `repair=False` nothing changes and the report says what would. Used on opening a
 `DiskTier`, and offline by `kamera store check|gc`. This module does not know the tier's
 counters or the store above it.
@@ -87,11 +92,12 @@ def scan(
         names = {p.name: p for p in files.iterdir()}
         for key, rec in list(records.items()):
             path = names.get(rec.file)
+            st = _stat(path) if path is not None else None
             problem = None
-            if path is None:
+            if path is None or st is None:
                 problem = "file missing"
-            elif path.stat().st_size != rec.size:
-                problem = f"file has {path.stat().st_size} bytes, record says {rec.size}"
+            elif st.st_size != rec.size:
+                problem = f"file has {st.st_size} bytes, record says {rec.size}"
             elif verify_indexed:
                 try:
                     decode_entry(path.read_bytes(), key)
@@ -113,7 +119,7 @@ def scan(
             if name in named:
                 continue
             if name.endswith(TEMP_SUFFIX):
-                if not writer_alive(name) or path.stat().st_mtime < cutoff:
+                if _stale_temp(path, cutoff):
                     report.problems.append(f"{name}: temporary file of a dead writer; removed")
                     _remove(path, repair, report)
                 continue
@@ -121,7 +127,12 @@ def scan(
                 report.problems.append(f"{name}: not an entry file; left alone")
                 continue
             try:
-                entry = decode_entry(path.read_bytes(), None)
+                with open(path, "rb") as f:
+                    data, st = f.read(), os.fstat(f.fileno())
+            except FileNotFoundError:
+                continue  # removed by its writer since the listing (a copy that lost to another)
+            try:
+                entry = decode_entry(data, None)
             except CorruptEntryError as err:
                 report.problems.append(f"{name}: unindexed and unreadable ({err}); removed")
                 _remove(path, repair, report)
@@ -131,13 +142,12 @@ def scan(
                 report.problems.append(f"{name}: unindexed copy of {key!r}, which has a file; removed")
                 _remove(path, repair, report)
                 continue
-            st = path.stat()
             records[key] = DiskRecord(name, st.st_size, entry.nbytes, st.st_mtime)
             report.problems.append(f"{name}: unindexed; re-indexed as {key!r}")
             report.reindexed += 1
             changed = repair
         for path in root.glob(f".index.json.*{TEMP_SUFFIX}"):  # a dead writer's index
-            if not writer_alive(path.name) or path.stat().st_mtime < cutoff:
+            if _stale_temp(path, cutoff):
                 report.problems.append(f"{path.name}: temporary index of a dead writer; removed")
                 _remove(path, repair, report)
         held = sum(r.size for r in records.values())
@@ -160,6 +170,23 @@ def scan(
             write_index(index_path, records, durable=durable)
         report.entries, report.bytes = len(records), held
     return report
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """`path`'s status, None if it is gone (renamed or removed by a writer since it was listed)."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _stale_temp(path: Path, cutoff: float) -> bool:
+    """Whether temporary file `path` is a dead writer's, or older than `cutoff` (a pid reused
+    since); False once it is gone (its live writer renamed it into place meanwhile)."""
+    if not writer_alive(path.name):
+        return True
+    st = _stat(path)
+    return st is not None and st.st_mtime < cutoff
 
 
 def _remove(path: Path, repair: bool, report: Report, *, count: bool = True) -> None:
