@@ -65,6 +65,20 @@ class Window:
         return [self.inputs[i] for i in self.ids]
 
 
+def text_frame(adapter: Any) -> tuple[Any, Any]:
+    """The text session's pinned system prefix and its question, as the adapter's chunks."""
+    tok = adapter.tokenizer
+    prefix = adapter.text(
+        tok("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")["input_ids"]
+    )
+    question = adapter.text(
+        tok("Question: which of these documents mentions a date?<|im_end|>\n<|im_start|>assistant\n")[
+            "input_ids"
+        ]
+    )
+    return prefix, question
+
+
 def text_source(data: str | None) -> Path | None:
     """The multi-hop QA file the text chunks come from: ``data`` (which must exist), else the
     MuSiQue set in the shared data folder; None when that folder is absent (the chunks then come
@@ -350,15 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.adapters.loading import load_adapter
 
         smol = load_adapter()
-        tok = smol.tokenizer
-        prefix = smol.text(
-            tok("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")["input_ids"]
-        )
-        question = smol.text(
-            tok("Question: which of these documents mentions a date?<|im_end|>\n<|im_start|>assistant\n")[
-                "input_ids"
-            ]
-        )
+        prefix, question = text_frame(smol)
         source = text_source(args.data)
         report["text_source"] = str(source) if source is not None else "fallback paragraphs"
         for size in sizes:

@@ -111,15 +111,7 @@ def test_ttft_text_sessions_have_chunks_for_every_append(
         monkeypatch.setenv("KAMERA_DATA", str(tmp_path / "absent"))
     elif ttft.text_source(None) is None:
         pytest.skip("no shared data folder")
-    tok = smol_text.tokenizer
-    prefix = smol_text.text(
-        tok("<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n")["input_ids"]
-    )
-    question = smol_text.text(
-        tok("Question: which of these documents mentions a date?<|im_end|>\n<|im_start|>assistant\n")[
-            "input_ids"
-        ]
-    )
+    prefix, question = ttft.text_frame(smol_text)
     for size in (1024, 2048, 8192):
         pool = ttft.text_pool(smol_text, size // 256 + 4, 256, None)  # type: ignore[arg-type]
         inputs, fill, rest = ttft.session_inputs(smol_text, pool, prefix, question, size)  # type: ignore[arg-type]
