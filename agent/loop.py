@@ -204,13 +204,15 @@ class Agent:
         max_new_tokens: int | None = None,
         keep_turn: bool = True,
         chunks: Sequence[tuple[ChunkInput, dict[str, Any]]] = (),
+        cancel: threading.Event | None = None,
     ) -> StepResult:
         """Append the observations, answer ``instruction`` on the window and (``keep_turn``) keep
         the instruction and its answer in the window as one ``turn`` chunk. ``keep_turn=False``
         answers on the window alone and leaves it as it was: for questions that are each asked
         of what the window holds (a video's frames), not of the conversation before them.
         ``chunks``: chunks made by the caller (with their metadata), appended before the
-        observations'."""
+        observations'. ``cancel``: set when the caller went away; decoding stops at the next token
+        (the answer so far is kept as the turn)."""
         t0 = time.perf_counter()
         cm, c = self.context, self.context.counters
         before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
@@ -242,7 +244,7 @@ class Agent:
             cache,
             start + extent,
             SamplingParams(max_tokens=budget),
-            threading.Event(),
+            cancel or threading.Event(),
             constraint=self._constraint(budget),
             guard=guard,
         )

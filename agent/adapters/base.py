@@ -269,6 +269,15 @@ class ModelAdapter(ABC):
     def decode_step(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
         """Logits ``[vocab]`` of the token after ``token`` placed at ``position``."""
 
+    def decode_rows(
+        self, tokens: Sequence[int], caches: Sequence[ModelCache], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of one decode step for each of N sequences, each on its own
+        cache; a model that batches them overrides this (one step after another here)."""
+        return torch.stack(
+            [self.decode_step(t, c, p) for t, c, p in zip(tokens, caches, positions, strict=True)]
+        )
+
     @property
     @abstractmethod
     def eos_ids(self) -> frozenset[int]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from agent.adapters import attention
+from agent.adapters import attention, batched
 from agent.adapters.base import (
     ChunkInput,
     ImageInput,
@@ -75,6 +75,7 @@ class DecoderAdapter(ModelAdapter):
         if getattr(model.config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu":
             model.set_attn_implementation(attention.NAME)  # grouped heads without copying the cache
         self.model = model.eval()
+        self._lean = batched.supports(model)  # decode steps batched across sequences
         self.tokenizer = tokenizer
         # image chunk keys by (content key, grid, pixel shape, tenant salt); see chunk_key
         self._image_keys: OrderedDict[tuple[Any, ...], str] = OrderedDict()
@@ -262,8 +263,10 @@ class DecoderAdapter(ModelAdapter):
         cache: ModelCache,
         last_only: bool = False,
         chunks: Sequence[ChunkInput] = (),
+        pause: bool = True,
     ) -> torch.Tensor:
-        """Logits ``[T, vocab]`` of ``embeds [1, T, hidden]`` run at ``positions`` on ``cache``."""
+        """Logits ``[T, vocab]`` of ``embeds [1, T, hidden]`` run at ``positions`` on ``cache``;
+        then, under a scheduler, a pause where other requests' steps may run (``pause``)."""
         out = self.base(
             inputs_embeds=embeds,
             position_ids=self._position_ids(positions),
@@ -272,7 +275,10 @@ class DecoderAdapter(ModelAdapter):
             **self._forward_kwargs(chunks),
         )
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
-        return self.lm_head(hidden)[0].float()
+        logits = self.lm_head(hidden)[0].float()
+        if pause:
+            batched.pause()
+        return logits
 
     @torch.inference_mode()
     def next_logits(self, chunk: ChunkInput, cache: ModelCache, start: int) -> torch.Tensor:
@@ -342,9 +348,29 @@ class DecoderAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def decode_step(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
+        """One token's logits; handed to the thread's scheduler when it batches steps, else run
+        alone through the same :meth:`decode_rows` (so the numbers do not depend on which)."""
+        stepper = batched.current()
+        if stepper is not None:
+            return stepper.decode(self, token, cache, position)
+        return self.decode_rows([token], [cache], [position])[0]
+
+    @torch.inference_mode()
+    def decode_rows(
+        self, tokens: Sequence[int], caches: Sequence[ModelCache], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of one decode step for each of N sequences, each on its own
+        cache: one batched pass where ``batched.decode_rows`` runs this model (its rows padded
+        so that a row's numbers do not depend on the batch), else the model's forward per row."""
+        if self._lean:
+            return batched.decode_rows(self.model, tokens, caches, positions)
+        rows = zip(tokens, caches, positions, strict=True)
+        return torch.stack([self._decode_one(t, c, p) for t, c, p in rows])
+
+    def _decode_one(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(torch.tensor([[token]], device=self.device))
         rel, _ = self.chunk_positions(TextInput(torch.tensor([token])))
-        return self._run(embeds, rel.to(self.device) + position, cache)[-1]
+        return self._run(embeds, rel.to(self.device) + position, cache, pause=False)[-1]
 
     @torch.inference_mode()
     def reference_logits(self, chunks: Sequence[ChunkInput], last_only: bool = False) -> torch.Tensor:
@@ -403,4 +429,5 @@ class DecoderAdapter(ModelAdapter):
                 cache=writer,
                 use_cache=True,
             )
+        batched.pause()
         return LayerRun(x[0], *writer.fresh)

@@ -32,7 +32,8 @@ class ServerLimits:
     frames per request, all videos together; video_fps: sampling rate; frame_max_pixels /
     frame_min_pixels: each frame's size after resizing; max_prompt_tokens: a chat prompt after
     the template; max_tokens / default_max_tokens: generated tokens (cap / when not given);
-    queue_size: requests admitted to wait for the model beside the one running;
+    queue_size: requests admitted beside one (``queue_size + 1`` places: running together up to
+    ``max_batch``, which decode as one batch, the rest waiting their turn);
     max_sessions / session_idle_s: live agent sessions and how long an idle one lives;
     max_session_tokens: a session's window budget; max_observations: per step; drain_s: how
     long shutdown waits for running requests; header_timeout_s: a request's headers must arrive
@@ -62,6 +63,7 @@ class ServerLimits:
     max_tokens: int = 1024
     default_max_tokens: int = 256
     queue_size: int = 32
+    max_batch: int = 32
     max_sessions: int = 64
     session_idle_s: float = 900.0
     max_session_tokens: int = 32768
@@ -80,6 +82,8 @@ class ServerLimits:
                 continue
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"limit {f.name} must be positive, got {getattr(self, f.name)!r}")
+        if self.max_batch > MAX_BATCH:
+            raise ValueError(f"max_batch must be at most {MAX_BATCH}, got {self.max_batch}")
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens exceeds max_tokens")
         if self.frame_min_pixels > self.frame_max_pixels:
@@ -91,6 +95,9 @@ class ServerLimits:
             _share(self.max_sessions, tenants, self.max_tenant_sessions),
             _share(self.queue_size + 1, tenants, self.max_tenant_queue),
         )
+
+
+MAX_BATCH = 64  # sequences one batched decode step takes (``agent/adapters/batched.py``)
 
 
 def _share(total: int, tenants: int, quota: int) -> int:

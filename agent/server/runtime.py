@@ -1,9 +1,10 @@
 """The serving runtime: one model, one store, one model thread, the prompt cache and sessions.
 
 Built once (``Runtime.load(config)`` or ``Runtime(adapter, config)``) and handed to
-``create_app``; nothing here is global. The model runs one job at a time on a single worker
-thread (``scheduler.py``: admission bounded overall and per tenant, tenants served in turn). Jobs
-carry a cancel event, checked before they start and between generated tokens.
+``create_app``; nothing here is global. Jobs run under the scheduler (``scheduler.py``: admission
+bounded overall and per tenant, tenants started in turn, the running ones decoded as one batch and
+their prefills interleaved pass by pass), one at a time between model steps, so nothing here
+needs a lock. Jobs carry a cancel event, checked before they start and between generated tokens.
 
 Not here: HTTP, JSON, metrics (``app.py``, ``metrics.py``).
 """
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from agent.adapters import batched
 from agent.adapters.base import ModelAdapter
 from agent.adapters.vision import VisionAdapter
 from agent.context import WindowConfig
@@ -109,7 +111,7 @@ class Runtime:
         self.tenants = dict(self.config.api_keys)
         tenant_sessions, tenant_queue = self.limits.tenant_quotas(len(set(self.tenants.values())))
         self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s, tenant_sessions)
-        self.worker = ModelWorker(self.limits.queue_size, tenant_queue)
+        self.worker = ModelWorker(self.limits.queue_size, tenant_queue, self.limits.max_batch)
         self.token_bound = TokenBound.of(adapter.tokenizer)
         self.draining = False
         self.error: str | None = None
@@ -272,12 +274,27 @@ class Runtime:
         observations: Sequence[Observation],
         instruction: str,
         max_tokens: int | None,
+        cancel: threading.Event | None = None,
     ) -> StepResult:
         """Apply window operations in order, then one agent step; under the session's lock."""
-        with session.lock, torch.inference_mode():
-            cm = session.agent.context
-            for op in operations:
-                apply(cm, op)
-            result = session.agent.step(observations, instruction, max_tokens)
-            session.steps += 1
-            return result
+        _acquire(session.lock)
+        try:
+            with torch.inference_mode():
+                cm = session.agent.context
+                for op in operations:
+                    apply(cm, op)
+                result = session.agent.step(observations, instruction, max_tokens, cancel=cancel)
+                session.steps += 1
+                return result
+        finally:
+            session.lock.release()
+
+
+def _acquire(lock: threading.Lock) -> None:
+    """Take ``lock``; under the scheduler, by giving others the turn until its holder lets go
+    (the holder is a job too, and runs only when others pause)."""
+    if batched.current() is None:
+        lock.acquire()
+        return
+    while not lock.acquire(blocking=False):
+        batched.pause()

@@ -1,13 +1,29 @@
-"""The model thread: one job at a time, admission bounded overall and per tenant, tenants in turn.
+"""The model's scheduler: admission bounded overall and per tenant, tenants in turn, and
+continuous batching of the jobs that run.
 
 A request first takes a place (:meth:`ModelWorker.admit`): at most ``capacity`` places are held
-(the running job and those waiting), at most ``tenant_capacity`` by one tenant, so a tenant that
-fills its share gets 429 while the others still get places. Jobs wait in one queue per tenant,
-and the model thread takes the next job from the tenants in rotation: with two tenants waiting,
-each gets every other turn however many jobs the first one queued. Jobs carry a cancel event,
+(running jobs and those waiting), at most ``tenant_capacity`` by one tenant, so a tenant that
+fills its share gets 429 while the others still get places. Jobs wait in one queue per tenant and
+start in rotation over the tenants (with two tenants waiting, each gets every other start however
+many jobs the first one queued), up to ``max_running`` at once. Jobs carry a cancel event,
 checked before they start.
 
-Not here: what a job does (``runtime.py``); a job is never preempted once it runs.
+**Continuous batching.** Each running job is a thread that runs only while the scheduler hands
+it the turn, so the model, the prompt cache and the store see one job at a time, as if there were
+one thread. A job gives the turn back at its model steps (``agent/adapters/batched.py``): when it
+wants the next token's logits (it joins the next batched decode step) and after each prefill pass
+(a pause). One iteration of the scheduler:
+
+1. start waiting jobs while fewer than ``max_running`` run (each runs to its first step);
+2. run one decode step for every job that asked for one, as one batched forward pass (each job
+   keeps its own cache), and let each job take its logits on to its next step;
+3. let one paused job (in rotation) run its next prefill pass.
+
+A long prompt therefore advances one bounded pass (a prefill segment) per iteration while the
+streams already running get a token each, and a short prompt that arrives meanwhile takes its
+turns beside it. A job's tokens do not depend on what it was batched with (``batched.py``).
+
+Not here: what a job does (``runtime.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +35,13 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, NamedTuple, TypeVar
 
+import torch
+
+from agent.adapters import batched
+
 T = TypeVar("T")
+
+MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait their turn
 
 
 class QueueFullError(RuntimeError):
@@ -50,17 +72,88 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-class ModelWorker:
-    """One thread for the model; ``queue_size`` waiting jobs, ``tenant_capacity`` places a tenant."""
+class _Runner(batched.Stepper):
+    """One running job: its thread, and where it stands (``state``) when it gave the turn back:
+    ``decode`` (waits for a batched step's logits), ``pause`` (between passes) or ``done``."""
 
-    def __init__(self, queue_size: int, tenant_capacity: int | None = None) -> None:
-        self.capacity = queue_size + 1  # the running job and those waiting
+    def __init__(self, job: _Job, back: threading.Event) -> None:
+        self.job = job
+        self.state = "new"
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.request: tuple[Any, int, Any, int] | None = None  # adapter, token, cache, position
+        self.logits: torch.Tensor | None = None
+        self.step_error: BaseException | None = None
+        self._go = threading.Event()
+        self._back = back
+        self.thread = threading.Thread(target=self._body, name="kamera-job", daemon=True)
+
+    # --- the job's side (its own thread) ---------------------------------------------------
+
+    def _body(self) -> None:
+        self._go.wait()
+        self._go.clear()
+        batched.bind(self)
+        try:
+            self.result = self.job.fn()
+        except BaseException as exc:  # handed to the request that asked
+            self.error = exc
+        finally:
+            batched.bind(None)
+            self.state = "done"
+            self._back.set()
+
+    def _yield(self, state: str) -> None:
+        self.state = state
+        self._back.set()
+        self._go.wait()
+        self._go.clear()
+
+    def decode(self, adapter: Any, token: int, cache: Any, position: int) -> torch.Tensor:
+        self.request, self.logits, self.step_error = (adapter, token, cache, position), None, None
+        self._yield("decode")
+        if self.step_error is not None:
+            raise self.step_error
+        assert self.logits is not None
+        logits, self.logits, self.request = self.logits, None, None
+        return logits
+
+    def pause(self) -> None:
+        self._yield("pause")
+
+    # --- the scheduler's side --------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Hand this job the turn; returns when it gives it back (a step, a pause, its end)."""
+        self._back.clear()
+        if self.state == "new":
+            self.thread.start()
+        self._go.set()
+        self._back.wait()
+
+
+class ModelWorker:
+    """The model's scheduler: ``queue_size`` waiting jobs, ``tenant_capacity`` places a tenant,
+    ``max_running`` jobs running (and decoding together) at once."""
+
+    def __init__(
+        self, queue_size: int, tenant_capacity: int | None = None, max_running: int = MAX_RUNNING
+    ) -> None:
+        if not 1 <= max_running <= batched.MAX_ROWS:
+            raise ValueError(f"max_running must be in 1..{batched.MAX_ROWS}, got {max_running}")
+        self.capacity = queue_size + 1  # a running job and those waiting
         self.tenant_capacity = min(self.capacity, tenant_capacity or self.capacity)
+        self.max_running = max_running
         self._cond = threading.Condition()
         self._held: Counter[str] = Counter()
         self._waiting: dict[str, deque[_Job]] = {}  # insertion order is the rotation
+        self._running: list[_Runner] = []  # touched by the scheduler thread only
+        self._turn = 0  # the rotation over paused jobs
+        self._back = threading.Event()
         self.pending = 0
         self.closed = False
+        self.steps = 0  # batched decode steps run
+        self.rows = 0  # sequences they decoded, all together
         self._thread = threading.Thread(target=self._serve, name="kamera-model", daemon=True)
         self._thread.start()
 
@@ -90,7 +183,7 @@ class ModelWorker:
             return self._held[tenant]
 
     async def run(self, fn: Callable[[], T], cancel: threading.Event, tenant: str = "") -> T:
-        """Run ``fn`` on the model thread (after an :meth:`admit`); skipped if cancelled first."""
+        """Run ``fn`` as a scheduled job (after an :meth:`admit`); skipped if cancelled first."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         with self._cond:
@@ -101,8 +194,9 @@ class ModelWorker:
         return await future
 
     def _next(self) -> _Job | None:
+        """The next job to start (tenants in rotation); waits while nothing runs or waits."""
         with self._cond:
-            while not self._waiting and not self.closed:
+            while not self._waiting and not self._running and not self.closed:
                 self._cond.wait()
             if not self._waiting:
                 return None
@@ -114,23 +208,75 @@ class ModelWorker:
             return job
 
     def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            result: Any = None
-            error: BaseException | None = None
-            if self.closed:
-                error = DrainingError("the server is shutting down")
-            elif job.cancel.is_set():
-                error = CancelledJobError("the client went away before the job started")
-            else:
-                try:
-                    result = job.fn()
-                except BaseException as exc:  # handed to the request that asked
-                    error = exc
+        while True:
+            while len(self._running) < self.max_running and (job := self._next()) is not None:
+                self._start(job)
+            if not self._running:
+                with self._cond:
+                    if self.closed and not self._waiting:
+                        return
+                continue
+            self._decode_step()
+            paused = [r for r in self._running if r.state == "pause"]
+            if paused:
+                self._turn %= len(paused)
+                paused[self._turn].resume()
+                self._turn += 1
+            self._reap()
+
+    def _start(self, job: _Job) -> None:
+        error: BaseException | None = None
+        if self.closed:
+            error = DrainingError("the server is shutting down")
+        elif job.cancel.is_set():
+            error = CancelledJobError("the client went away before the job started")
+        if error is not None:
             with suppress(RuntimeError):  # the event loop is gone: nobody waits
-                job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+                job.loop.call_soon_threadsafe(_settle, job.future, None, error)
+            return
+        runner = _Runner(job, self._back)
+        self._running.append(runner)
+        runner.resume()  # to its first step
+        self._reap()
+
+    def _decode_step(self) -> None:
+        """One batched decode step for every job waiting on one, then each job on to its next."""
+        waiting = [r for r in self._running if r.state == "decode"]
+        if not waiting:
+            return
+        by_adapter: dict[int, list[_Runner]] = {}
+        for r in waiting:
+            assert r.request is not None
+            by_adapter.setdefault(id(r.request[0]), []).append(r)
+        for group in by_adapter.values():
+            adapter = group[0].request[0]  # type: ignore[index]
+            try:
+                with torch.inference_mode():
+                    logits = adapter.decode_rows(
+                        [r.request[1] for r in group],  # type: ignore[index]
+                        [r.request[2] for r in group],  # type: ignore[index]
+                        [r.request[3] for r in group],  # type: ignore[index]
+                    )
+                for r, row in zip(group, logits, strict=True):
+                    r.logits = row
+            except Exception as exc:  # each job raises it in its own thread
+                for r in group:
+                    r.step_error = exc
+            self.steps += 1
+            self.rows += len(group)
+        for r in waiting:
+            r.resume()
+
+    def _reap(self) -> None:
+        for r in [r for r in self._running if r.state == "done"]:
+            self._running.remove(r)
+            r.thread.join()
+            with suppress(RuntimeError):  # the event loop is gone: nobody waits
+                r.job.loop.call_soon_threadsafe(_settle, r.job.future, r.result, r.error)
 
     def shutdown(self) -> None:
-        """Refuse new work; waiting jobs fail with DrainingError; returns once the thread is done."""
+        """Refuse new work; waiting jobs fail with DrainingError, running ones finish; returns
+        once the scheduler is done."""
         with self._cond:
             self.closed = True
             self._cond.notify_all()

@@ -85,11 +85,13 @@ def router(state: ServerState) -> APIRouter:
                 except (MediaLimitError, BadMediaError) as exc:
                     raise state.refuse(exc) from None
 
+                cancel = threading.Event()
+
                 def job() -> tuple[float, StepResult]:
                     started = time.perf_counter()
-                    return started, runtime.step(session, ops, obs, body.instruction, body.max_tokens)
+                    return started, runtime.step(session, ops, obs, body.instruction, body.max_tokens, cancel)
 
-                started, result = await state.watched(request, job, threading.Event())
+                started, result = await state.watched(request, job, cancel)
                 return step_response(state, result, 1000 * (started - arrival))
 
             return await state.admitted(tenant, work)

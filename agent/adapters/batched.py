@@ -1,0 +1,146 @@
+"""One decode step for many sequences at once, each on its own cache, whatever the batch.
+
+Decode reads every weight once per step however many rows it serves, so N sequences decoded in
+one pass cost little more than one. Each sequence keeps its own model cache (its own window,
+length and positions): the row-wise parts of a layer (norms, projections, MLP, rotation) run on
+all rows together, and attention runs per sequence over that sequence's cache only.
+
+**Batch invariance.** A row's result must not depend on what it was batched with. Row-wise
+elementwise work and per-sequence attention never mix rows; matrix products do not mix them
+either, but a BLAS picks its micro-kernel (and so the order of its sums) by the rows it is given:
+on this project's CPUs a float32 GEMM computes a row one way when it runs in a block of four rows
+and another way when it is one of 1 to 3 rows left over at the end of a product of fewer than 12
+rows (``tests/test_batched.py`` measures it; bfloat16 products showed no such dependence). Every
+step therefore runs a multiple of ``ROW_BLOCK`` rows, padded with a zero token at position 0
+whose results are dropped, so a sequence decodes bit for bit the same alone or among up to
+``MAX_ROWS - 1`` others, whatever its place in the batch. The padding rows go through the whole
+pass (their products are part of the shape that fixes the sums) and are thrown away.
+
+Supported: decoder layers of the Llama shape (``self_attn.{q,k,v,o}_proj``, optional per-head
+``q_norm``/``k_norm``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) with full
+attention and split-half rotary over the whole head (Llama, Mistral without a sliding window,
+Qwen2, Qwen3). Others decode one sequence at a time through the model's own forward.
+
+**Stepping.** Code that decodes (``DecoderAdapter.decode_step``) and code that prefills
+(``DecoderAdapter._run``) ask :func:`current` whether their thread belongs to a scheduler that
+batches steps (``agent/server/scheduler.py``): a :class:`Stepper` bound with :func:`bind`. Then a
+decode step is handed to it (and comes back with the logits of the batched pass it joined) and a
+forward pass is followed by a pause, where the scheduler may run other work. Elsewhere (scripts,
+tests, the CLI) steps run at once, through the same :func:`decode_rows`, so their numbers are the
+ones a server gives.
+
+Not here: which sequences share a step (``scheduler.py``), sampling (``generation.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from agent.adapters.cache_layers import hf_layers
+
+ROW_BLOCK = 4  # rows in whole blocks of four: no row is computed by a GEMM's leftover-row kernel
+MAX_ROWS = 64  # checked invariant up to here (tests/test_batched.py)
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class Stepper(Protocol):
+    """Where a thread's model steps go when a scheduler batches them."""
+
+    def decode(self, adapter: Any, token: int, cache: Any, position: int) -> torch.Tensor:
+        """The logits of ``token`` at ``position`` on ``cache``, from a step shared with others."""
+
+    def pause(self) -> None:
+        """A point between forward passes where other work may run."""
+
+
+_local = threading.local()
+
+
+def bind(stepper: Stepper | None) -> None:
+    """Hand this thread's model steps to ``stepper`` (None: run them at once)."""
+    _local.stepper = stepper
+
+
+def current() -> Stepper | None:
+    return getattr(_local, "stepper", None)
+
+
+def pause() -> None:
+    """Let other work run here, when this thread's steps are scheduled (else nothing)."""
+    stepper = current()
+    if stepper is not None:
+        stepper.pause()
+
+
+def supports(model: Any) -> bool:
+    """Whether :func:`decode_rows` can run ``model`` (a transformers causal LM)."""
+    cfg = model.config.get_text_config()
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if cfg.model_type not in MODEL_TYPES or windowed:
+        return False
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return False
+    base = model.get_decoder()
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return all(
+        all(hasattr(layer.self_attn, n) for n in needed)
+        and hasattr(layer, "input_layernorm")
+        and hasattr(layer, "post_attention_layernorm")
+        for layer in base.layers
+    )
+
+
+@torch.inference_mode()
+def decode_rows(
+    model: Any, tokens: Sequence[int], caches: Sequence[Any], positions: Sequence[int]
+) -> torch.Tensor:
+    """Logits ``[N, vocab]`` (float32) of ``tokens[i]`` placed at ``positions[i]`` on
+    ``caches[i]``; each cache grows by one token. Rows are padded to a multiple of ``ROW_BLOCK``."""
+    n = len(tokens)
+    if not n == len(caches) == len(positions):
+        raise ValueError(f"{n} tokens, {len(caches)} caches and {len(positions)} positions")
+    if not 1 <= n <= MAX_ROWS:
+        raise ValueError(f"a step decodes 1 to {MAX_ROWS} sequences, got {n}")
+    base = model.get_decoder()
+    cfg = model.config.get_text_config()
+    device = next(model.parameters()).device
+    rows = -(-n // ROW_BLOCK) * ROW_BLOCK
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    ids[:n] = torch.tensor(list(tokens), dtype=torch.long)
+    pos = torch.zeros(rows, dtype=torch.long, device=device)
+    pos[:n] = torch.tensor(list(positions), dtype=torch.long)
+    h = model.get_input_embeddings()(ids)  # h: [rows, hidden]
+    cos, sin = base.rotary_emb(h[None], pos[None])  # cos, sin: [1, rows, D]
+    cos, sin = cos[0], sin[0]
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    group = heads // kv_heads
+    per_layer = [hf_layers(c) for c in caches]
+    for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
+        attn = layer.self_attn
+        d = attn.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(rows, heads, d)
+        k = attn.k_proj(x).view(rows, kv_heads, d)
+        v = attn.v_proj(x).view(rows, kv_heads, d)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        q, k = rotate(q, k, cos, sin, unsqueeze_dim=1)  # split-half rotation, per row's position
+        out = torch.zeros(rows, heads * d, dtype=h.dtype, device=device)
+        for r in range(n):
+            keys, values = per_layer[r][i].update(k[r][None, :, None], v[r][None, :, None])
+            # query heads of one KV head are neighbours: [1, H_kv, group, D] against its cache
+            query = q[r].view(1, kv_heads, group, d)
+            o = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling)
+            out[r] = o.reshape(heads * d)
+        h = h + attn.o_proj(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = model.get_output_embeddings()(base.norm(h))  # every row: the shape fixes the sums
+    return logits[:n].float()

@@ -1,0 +1,103 @@
+"""The scheduler under concurrent requests: jobs decode as one batch, prefills interleave pass by
+pass, and every answer is the one the request gets alone, bit for bit (tokens and logprobs), in
+exact mode equal to an independent full prefill's."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from typing import Any
+
+import pytest
+
+from agent.server.chat import Message
+from agent.server.generation import SamplingParams
+from agent.server.prompt_cache import PromptCacheConfig
+from agent.server.runtime import ChatOutcome, Runtime, RuntimeConfig
+from cache.store import StoreConfig
+from tests._util import full_prefill, greedy
+
+QUESTIONS = [
+    "Which planet is known as the red planet?",
+    "Name three primary colours.",
+    "Write a haiku about rain on a tin roof.",
+    "What is the capital of Japan? Answer with the city only.",
+    "Count from one to ten in words, separated by commas.",
+    "Explain in one sentence why the sky looks blue during the day.",
+    "List two animals that live in the ocean.",
+    "Say hello in French, Spanish and German.",
+]
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2: Any) -> Runtime:
+    # 16-token segments: these short prompts' exact prefixes are reused on a second run
+    config = RuntimeConfig(
+        store=StoreConfig(host_bytes=256 << 20), prompt_cache=PromptCacheConfig(block_tokens=16)
+    )
+    rt = Runtime(smollm2, config)
+    yield rt
+    rt.worker.shutdown()
+
+
+def _pieces(rt: Runtime, text: str) -> Any:
+    return rt.render([Message("user", (text,))])
+
+
+def _run_all(
+    rt: Runtime, jobs: list[tuple[str, int]], salt: str, order: list[str] | None = None
+) -> list[ChatOutcome]:
+    """Every (question, max_tokens) as its own job, all submitted at once; greedy with logprobs."""
+
+    async def main() -> list[ChatOutcome]:
+        tasks = []
+        for text, max_tokens in jobs:
+            params = SamplingParams(max_tokens=max_tokens, logprobs=True, top_logprobs=2)
+            cancel = threading.Event()
+
+            def started(text: str = text) -> None:
+                if order is not None:
+                    order.append("start:" + text[:12])
+
+            fn = functools.partial(rt.chat, _pieces(rt, text), params, salt, cancel, started, None, "exact")
+            tasks.append(asyncio.ensure_future(rt.worker.run(fn, cancel)))
+        return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(main())
+
+
+def _same(a: ChatOutcome, b: ChatOutcome) -> bool:
+    return a.decoded.tokens == b.decoded.tokens and a.decoded.logprobs == b.decoded.logprobs
+
+
+def test_requests_batched_together_answer_as_alone(runtime: Runtime) -> None:
+    """Eight requests of different lengths at once: each one's tokens and logprobs equal, bit for
+    bit, what it gives alone; the decode steps were shared; exact answers equal a full prefill's."""
+    jobs = [(q, 6 + 3 * i) for i, q in enumerate(QUESTIONS)]
+    alone = [_run_all(runtime, [job], salt=f"alone-{i}")[0] for i, job in enumerate(jobs)]
+    steps, rows = runtime.worker.steps, runtime.worker.rows
+    together = _run_all(runtime, jobs, salt="together")
+    shared = runtime.worker.rows - rows
+    assert shared > runtime.worker.steps - steps, "no decode step served two requests"
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert _same(a, b), f"request {i} answered differently in a batch"
+    # hot cache (the prefixes stored by the runs above) and batched: still the same
+    again = _run_all(runtime, jobs, salt="together")
+    assert all(_same(a, b) for a, b in zip(alone, again, strict=True))
+    assert any(o.usage.prefix_tokens for o in again)
+    # exact mode is a full prefill, computed here straight through the model
+    for (text, max_tokens), out in zip(jobs, together, strict=True):
+        ids = [i for p in _pieces(runtime, text) for i in p.ids]
+        cache, logits, pos = full_prefill(runtime.adapter, ids, runtime.prompt_cache.config.block_tokens)
+        tokens, _ = greedy(runtime.adapter, logits, cache, pos, max_tokens)
+        assert out.decoded.tokens == tokens
+
+
+def test_a_long_prefill_does_not_hold_a_short_request_back(runtime: Runtime) -> None:
+    """A prompt of many segments and a short one submitted just after it: the short one starts
+    decoding before the long one finishes its prefill (its passes interleave with the long one's)."""
+    long_text = " ".join(f"Item {i}: the {i % 7}th shelf holds {i * 3} jars of honey." for i in range(120))
+    order: list[str] = []
+    _run_all(runtime, [(long_text + "\nHow many jars on shelf 3?", 2), ("Say yes.", 2)], "interleave", order)
+    assert order.index("start:Say yes.") < order.index("start:" + long_text[:12]), order
