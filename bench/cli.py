@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "cached answers against a full prefill, per context policy and reuse mode",
     ),
     "replicas": ("bench.replicas", "agent traces round-robin over 1, 2, 4 replicas, with and without Redis"),
+    "load": (
+        "bench.load",
+        "1, 8 and 32 streaming clients at once against kamera serve and llama.cpp's server",
+    ),
     "serve-ttft": ("bench.serve_ttft", "kamera serve's time to first token: cached prompt, full prefill"),
     "store-share": (
         "bench.store_share",

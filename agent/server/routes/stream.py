@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from agent.server import schemas as S
 from agent.server.errors import INTERNAL, ApiError, api_error
 from agent.server.generation import TokenLogprob
 from agent.server.routes.completion import Completion, prepare, record, usage
@@ -134,8 +135,9 @@ class Writer:
         self.pending.extend(lps)
         return self.deltas(self.calls.push(text))
 
-    def end(self, outcome: ChatOutcome) -> list[str]:
-        """The lines after the last token: what the call parser held, the finish, usage, [DONE]."""
+    def end(self, outcome: ChatOutcome, report: S.CacheReport) -> list[str]:
+        """The lines after the last token: what the call parser held, the finish, usage (with the
+        ``kamera`` report beside it, as a whole answer has it), [DONE]."""
         out = []
         if self.calls is not None:
             out += self.deltas(self.calls.close())
@@ -147,7 +149,7 @@ class Writer:
         out.append(self.chunk({}, finish))
         options = self.c.body.stream_options
         if options is not None and options.include_usage:
-            out.append(self.data([], usage=usage(outcome).model_dump()))
+            out.append(self.data([], usage=usage(outcome).model_dump(), kamera=report.model_dump()))
         return [*out, "data: [DONE]\n\n"]
 
     async def events(
@@ -176,8 +178,8 @@ class Writer:
                     yield err.sse()
                     yield "data: [DONE]\n\n"
                     return
-                record(self.state, outcome, self.c.arrival, started)
-                for line in self.end(outcome):
+                report = record(self.state, outcome, self.c.arrival, started)
+                for line in self.end(outcome, report):
                     yield line
                 return
         finally:  # the client went away (or the response was cut): stop the job
