@@ -216,7 +216,12 @@ def replay(
     log: Any = print,
     peer: Any = None,
     seed: int = DEFAULT_SEED,
+    concurrency: int = 1,
 ) -> tuple[dict[str, list[Row]], list[Any]]:
+    """Every session's requests through each mode's prompt cache, beside a full prefill of each.
+    ``concurrency`` above 1: the sessions of a mode run that many at once through the server's
+    scheduler (their decode steps batched, their prefills interleaved), each session's requests
+    still one after another; the full prefills run first, one at a time."""
     policy = get_policy(policy_name, seed)
     caches = {
         m: PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=store_bytes)), config)
@@ -225,6 +230,7 @@ def replay(
     reference = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20)), config)
     rows: dict[str, list[Row]] = {m: [] for m in modes}
     peer_rows: list[Any] = []
+    work: list[tuple[Any, int, Any, Any, int, Outcome | None]] = []  # session step pieces prompt seen ref
     for s in sessions:
         seen: set[tuple[str, str]] = set()
         for step, request in enumerate(s.requests[:max_requests]):
@@ -234,20 +240,16 @@ def replay(
             if prompt.n_tokens > max_prompt_tokens:
                 continue
             n_seen = seen_tokens(adapter.tokenizer, prompt.n_tokens, messages, seen)
+            ref = None
             if modes:
                 ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
                 reference.reset()  # never reused: every reference is a full prefill
+            work.append((s, step, pieces, prompt, n_seen, ref))
+            if concurrency > 1:
+                continue
             for m in modes:
-                pc = caches[m]
-                cached = run(pc, build_prompt(adapter, pieces, pc.image_unit), s.id, m, params)
-                rows[m].append(Row(s.id, step, prompt.n_tokens, cached, ref, n_seen))
-                log(
-                    f"{policy_name:>20} {m:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
-                    f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
-                    f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
-                    f" residual {cached.usage.repair_residual:.1e}"
-                    f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
-                )
+                cached = run(caches[m], build_prompt(adapter, pieces, caches[m].image_unit), s.id, m, params)
+                _keep(rows[m], policy_name, m, s, step, prompt, cached, ref, n_seen, log)
             if peer is not None:
                 got = peer.request(s.id, step, prompt.units.tolist(), params.max_tokens)
                 peer_rows.append(got)
@@ -257,7 +259,66 @@ def replay(
                     f"cached {got.cached.cached_tokens:>5} same {same!s:>5} "
                     f"ttft {got.reference.ttft_s / max(got.cached.ttft_s, 1e-9):5.2f}x"
                 )
+    if concurrency > 1:
+        if peer is not None:
+            raise ValueError("--peer replays one request at a time: leave --concurrency at 1")
+        for m in modes:
+            _replay_at_once(adapter, caches[m], m, work, concurrency, params, rows[m], policy_name, log)
     return rows, peer_rows
+
+
+def _keep(
+    rows: list[Row], policy: str, mode: str, s: Any, step: int, prompt: Any, cached: Outcome, ref: Any,
+    n_seen: int, log: Any,
+) -> None:  # fmt: skip
+    rows.append(Row(s.id, step, prompt.n_tokens, cached, ref, n_seen))
+    log(
+        f"{policy:>20} {mode:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
+        f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
+        f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
+        f" residual {cached.usage.repair_residual:.1e}"
+        f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
+    )
+
+
+def _replay_at_once(
+    adapter: Any,
+    pc: PromptCache,
+    mode: ReuseMode,
+    work: Sequence[tuple[Any, int, Any, Any, int, Any]],
+    concurrency: int,
+    params: SamplingParams,
+    rows: list[Row],
+    policy: str,
+    log: Any,
+) -> None:
+    """One mode's sessions, ``concurrency`` at a time, as jobs of the server's scheduler."""
+    import asyncio
+    import functools
+    import threading
+
+    from agent.server.scheduler import ModelWorker
+
+    by_session: dict[str, list[tuple[Any, int, Any, Any, int, Any]]] = {}
+    for item in work:
+        by_session.setdefault(item[0].id, []).append(item)
+    worker = ModelWorker(queue_size=len(by_session), max_running=concurrency)
+    done: dict[tuple[str, int], Outcome] = {}
+
+    async def session(items: Sequence[tuple[Any, int, Any, Any, int, Any]]) -> None:
+        for s, step, pieces, _, _, _ in items:
+            job = functools.partial(run, pc, build_prompt(adapter, pieces, pc.image_unit), s.id, mode, params)
+            done[s.id, step] = await worker.run(job, threading.Event())
+
+    async def everyone() -> None:
+        await asyncio.gather(*(session(items) for items in by_session.values()))
+
+    try:
+        asyncio.run(everyone())
+    finally:
+        worker.shutdown()
+    for s, step, _, prompt, n_seen, ref in work:  # rows in the order of the one-at-a-time replay
+        _keep(rows, policy, mode, s, step, prompt, done[s.id, step], ref, n_seen, log)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -305,6 +366,13 @@ def parser() -> argparse.ArgumentParser:
         help="a repair calling for a larger margin is given up, the prompt prefilled exact (0: never)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="sessions replayed at once through the server's scheduler, decoded as one batch "
+        "(default 1: one request at a time); time to first token is then taken under that load",
+    )
     p.add_argument("--store-bytes", type=int, default=4 << 30)
     p.add_argument("--peer", choices=["llama-server"], default=None, help="replay through a peer as well")
     p.add_argument("--peer-cache-reuse", type=int, default=256, help="llama-server's --cache-reuse N")
@@ -317,6 +385,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from agent.adapters.loading import load_adapter
+
+    if args.concurrency < 1 or (args.concurrency > 1 and args.peer):
+        raise SystemExit("--concurrency must be at least 1, and 1 with --peer")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -350,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "threads": torch.get_num_threads(),
         "seed": args.seed,
+        "concurrency": args.concurrency,
         "config": {
             "block_tokens": config.block_tokens,
             "min_reuse_tokens": config.min_reuse_tokens,
@@ -430,6 +502,7 @@ def run_policies(
                 args.store_bytes,
                 peer=peer,
                 seed=args.seed,
+                concurrency=args.concurrency,
             )
             report["policies"][name] = {m: summarize(r) for m, r in rows.items()}
             if config.repair_margin == 0 and "repair" in rows:

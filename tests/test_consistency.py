@@ -38,11 +38,18 @@ def _session() -> Session:
     return Session("s", tuple(requests))
 
 
-def _replay(llama: Any, policy: str, modes: list[Any], config: PromptCacheConfig) -> dict[str, Any]:
+def _replay(
+    llama: Any,
+    policy: str,
+    modes: list[Any],
+    config: PromptCacheConfig,
+    sessions: int = 1,
+    at_once: int = 1,
+) -> dict[str, Any]:
     """The session's three requests replayed under ``policy``, 4 greedy tokens each."""
     rows, _ = replay(
         llama,
-        [_session()],
+        [Session(f"s{i}", _session().requests) for i in range(sessions)],
         policy,
         modes,
         config,
@@ -51,8 +58,28 @@ def _replay(llama: Any, policy: str, modes: list[Any], config: PromptCacheConfig
         max_prompt_tokens=10_000,
         store_bytes=64 << 20,
         log=lambda *_: None,
+        concurrency=at_once,
     )
     return rows
+
+
+def test_sessions_replayed_at_once_answer_as_one_at_a_time(llama: Any) -> None:
+    """Three sessions at once through the scheduler (decode steps batched): every request's
+    tokens, logits and reuse are what the one-at-a-time replay gives, in every mode."""
+    config = PromptCacheConfig(block_tokens=64, min_reuse_tokens=16)
+    modes = ["exact", "repair", "fast"]
+    alone = _replay(llama, "window-1", modes, config, sessions=3)
+    together = _replay(llama, "window-1", modes, config, sessions=3, at_once=3)
+    for m in modes:
+        assert len(alone[m]) == len(together[m]) == 9
+        for a, b in zip(alone[m], together[m], strict=True):
+            assert (a.session, a.step) == (b.session, b.step)
+            assert a.cached.tokens == b.cached.tokens
+            assert a.cached.margins == b.cached.margins  # every decode step's logits, as logprobs
+            assert torch.equal(a.cached.logits, b.cached.logits)
+            assert a.cached.usage.cached_tokens == b.cached.usage.cached_tokens
+        assert any(r.cached.usage.relocated_tokens for r in together[m]) == (m != "exact")
+        assert summarize(alone[m])["greedy_agreement"] == summarize(together[m])["greedy_agreement"]
 
 
 def test_seen_tokens_are_the_prompt_outside_new_messages() -> None:
