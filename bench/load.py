@@ -127,10 +127,27 @@ def make_requests(
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes], port: int, name: str, log: Path, timeout_s: float = 600
+) -> None:
+    """Return once ``GET /health`` on ``port`` answers; RuntimeError if ``proc`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} at start; see {log}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{name} was not healthy after {timeout_s:.0f} s; see {log}")
 
 
 class Endpoint:
@@ -143,17 +160,11 @@ class Endpoint:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as err:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode} at start; see {log}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"{name} was not healthy after 600 s; see {log}")
+        try:
+            wait_healthy(self.proc, port, name, log)
+        except RuntimeError:
+            self.close()
+            raise
 
     def chat(self, req: Request) -> Result:
         body = {"model": "default", "messages": req.messages, "max_tokens": req.max_tokens, "temperature": 0,
@@ -215,7 +226,7 @@ class Endpoint:
 
 
 def kamera_server(args: Sequence[str], threads: int, log: Path) -> Endpoint:
-    port = _free_port()
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "agent.cli", "serve", "--port", str(port), "--log-level", "warning",
@@ -226,7 +237,7 @@ def kamera_server(args: Sequence[str], threads: int, log: Path) -> Endpoint:
 def llama_server(
     binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path
 ) -> Endpoint:
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--jinja"]  # fmt: skip
     return Endpoint(f"llama.cpp -np {slots}", cmd, port, log)

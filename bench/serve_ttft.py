@@ -22,7 +22,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.load import free_port, wait_healthy
+
 HERE = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _paragraph(i: int) -> str:
@@ -61,25 +56,18 @@ class Server:
     """One ``kamera serve`` process from the checkout at ``tree``, on a free loopback port."""
 
     def __init__(self, tree: Path, reuse_mode: str, threads: int, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
         cmd = [sys.executable, "-m", "agent.cli", "serve", "--port", str(self.port),
                "--reuse-mode", reuse_mode, "--max-prompt-tokens", "8192", "--log-level", "warning",
                "--threads", str(threads)]  # fmt: skip
         with log.open("ab") as err:
             self.proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kamera serve from {tree} exited with {self.proc.returncode}; see {log}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
+        try:
+            wait_healthy(self.proc, self.port, f"kamera serve from {tree}", log)
+        except RuntimeError:
             self.close()
-            raise RuntimeError(f"kamera serve from {tree} was not healthy after 600 s")
+            raise
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models") as r:
             self.model = json.load(r)["data"][0]["id"]
 
