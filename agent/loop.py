@@ -9,7 +9,7 @@ are fitted after the answer, off the path to the first token.
 
 The window's reuse mode (``WindowConfig.reuse``) says what the answer may rest on: in ``repair``
 (the default) the window's moved and patched KV, with greedy decoding guarded
-(``agent.server.generation.Guard``): the first step too close to call moves to a fresh prefill of
+(``agent.engine.generation.Guard``): the first step too close to call moves to a fresh prefill of
 the window (``ContextManager.fresh_cache``), where the tokens so far are replayed and checked,
 so from there the answer is a re-prefill's; ``fast`` is the window's KV unguarded; ``exact``
 answers on the window's KV only while it is exact as it stands (nothing moved, patched or
@@ -34,9 +34,9 @@ from PIL import Image
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
+from agent.engine.generation import SamplingParams, decode
 from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
-from agent.server.generation import SamplingParams, decode
 from cache.store import StoreConfig, TieredStore
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from agent.server.background import free_port
+from tools.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = {"Authorization": "Bearer bench-key", "content-type": "application/json"}

@@ -4,9 +4,9 @@ the prompt cache that ``kamera serve`` runs, per context policy and reuse mode.
 Each request of a session (real agent trajectories, ``bench/traces_data.py``: tau-bench airline
 by default, dev half) is rewritten by a context policy (append, masked observations, a window
 of turns, a system prompt whose clock changes, reranked observations), rendered with the
-model's chat template (``agent.server.chat.render``), prepared by :class:`PromptCache` in one
+model's chat template (``agent.engine.chat.render``), prepared by :class:`PromptCache` in one
 reuse mode after the session's earlier requests were committed in that same mode, and decoded
-greedily (``agent.server.generation.decode``): exactly what a chat completion does. The
+greedily (``agent.engine.generation.decode``): exactly what a chat completion does. The
 reference is the same request through the same code with nothing to reuse (a cache that never
 commits: a full prefill). Per policy and mode:
 
@@ -23,7 +23,7 @@ commits: a full prefill). Per policy and mode:
 - ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
   hits, measured side by side (median and mean), in the same process and thread count;
 - ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
-  exact KV (``agent/server/answer.py``), and the tokens prefilled again for it;
+  exact KV (``agent/engine/answer.py``), and the tokens prefilled again for it;
 - ``guard_curve`` (with ``--repair-margin 0``: the guard off, decoding stays on repaired KV):
   for each margin, the agreement the guard would give and the share of requests that would fall
   back, read from the margins between the best two logits along each answer. It is how the
@@ -53,10 +53,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from agent.server.answer import answer
-from agent.server.chat import Message, render
-from agent.server.generation import SamplingParams
-from agent.server.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
+from agent.engine.answer import answer
+from agent.engine.chat import Message, render
+from agent.engine.generation import SamplingParams
+from agent.engine.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
 from agent.tables import make_console
 from agent.tables import print_table as draw
 from bench.agreement import answer_fields, ttft_fields
@@ -297,7 +297,7 @@ def _replay_at_once(
     import functools
     import threading
 
-    from agent.server.scheduler import ModelWorker
+    from agent.engine.scheduler import ModelWorker
 
     by_session: dict[str, list[tuple[Any, int, Any, Any, int, Any]]] = {}
     for item in work:

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
+from agent.engine.answer import guard_margin
+from agent.engine.generation import SamplingParams, decode
+from agent.engine.prompt_cache import PromptCacheConfig
 from agent.recompute import DeviationSelection, FixedSelection, selective_recompute
-from agent.server.answer import guard_margin
-from agent.server.generation import SamplingParams, decode
-from agent.server.prompt_cache import PromptCacheConfig
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity_data import QAItem
 from bench.methods import (
@@ -156,7 +156,7 @@ def run_tail(
 
 
 class _ExactTail:
-    """The repair guard's way to exact KV (``agent.server.generation.Guard``): the context as a
+    """The repair guard's way to exact KV (``agent.engine.generation.Guard``): the context as a
     full prefill computes it, then the tail; taken only at a close call, and paid for then."""
 
     def __init__(

@@ -33,13 +33,11 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,6 +45,7 @@ from typing import Any, NamedTuple
 from rich.table import Table
 
 from agent.tables import make_console, print_table
+from tools.serve import free_port, wait_healthy
 
 WORDS = (
     "river",
@@ -125,29 +124,6 @@ def make_requests(
         messages.append({"role": "user", "content": _words(rng, rng.randint(*tokens)) + QUESTION})
         out.append(Request(messages, max_tokens))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(
-    proc: subprocess.Popen[bytes], port: int, name: str, log: Path, timeout_s: float = 600
-) -> None:
-    """Return once ``GET /health`` on ``port`` answers; RuntimeError if ``proc`` exits first or
-    ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} at start; see {log}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{name} was not healthy after {timeout_s:.0f} s; see {log}")
 
 
 class Endpoint:

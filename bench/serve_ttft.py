@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.load import free_port, wait_healthy
+from tools.serve import free_port, wait_healthy
 
 HERE = Path(__file__).resolve().parents[1]
 

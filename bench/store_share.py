@@ -56,6 +56,7 @@ from bench.traces import SETS
 from bench.traces_data import load_sessions
 from bench.traces_tokens import message_body
 from cache.store import scan
+from tools.serve import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("system", "user", "assistant")
@@ -114,7 +115,7 @@ class Server:
         threads: int = 1,
         timeout_s: float = 300,
     ) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [sys.executable, "-c", "from agent.cli import main; raise SystemExit(main())", "serve"]
         cmd += ["--port", str(self.port), "--threads", str(threads), "--log-level", "warning"]
         cmd += ["--disk-path", str(disk), "--disk-bytes", str(disk_bytes), "--host-bytes", str(host_bytes)]
@@ -194,10 +195,6 @@ class Server:
         self._log.close()
 
 
-def _free_port() -> int:
-    from agent.server.background import free_port
-
-    return free_port()
 
 
 class Turn(NamedTuple):

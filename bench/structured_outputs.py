@@ -7,7 +7,8 @@ against its function's parameters. The model's words may be poor; the structure 
 
     python -m bench.structured_outputs [--url http://127.0.0.1:8000] [--prompts 20] [--max-tokens 160]
 
-Without ``--url`` the embedded model is served in-process on loopback (``--threads``, default 1).
+Without ``--url`` the embedded model is served by a ``kamera serve`` process on loopback
+(``--threads``, default 1).
 Prints a JSON summary: passes per kind, failures with their text, seconds per request.
 
 Not here: the quality of the answers, or anything about free-text ``auto`` tool choice.
@@ -198,7 +199,7 @@ def run(client: Any, n_prompts: int, max_tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", help="a running server (default: the embedded model in-process)")
+    p.add_argument("--url", help="a running server (default: the embedded model in a kamera serve process)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS))
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--threads", type=int, default=1)
@@ -209,15 +210,10 @@ def main(argv: list[str] | None = None) -> None:
         client = openai.OpenAI(base_url=args.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         print(json.dumps(run(client, args.prompts, args.max_tokens), indent=2))
         return
-    import torch
+    from tools.serve import ServeProcess
 
-    from agent.server.app import create_app
-    from agent.server.background import BackgroundServer
-    from agent.server.runtime import Runtime, RuntimeConfig
-
-    torch.set_num_threads(args.threads)
-    with BackgroundServer(create_app(Runtime.load(RuntimeConfig()))) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with ServeProcess(["--threads", str(args.threads)]) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         print(json.dumps(run(client, args.prompts, args.max_tokens), indent=2))
 
 

@@ -2,7 +2,7 @@
 
 Every product places chunks through a :class:`Window`: the context manager (``agent/context.py``,
 a window that slides, reorders and recalls) and the HTTP prompt cache
-(``agent/server/prompt_cache.py``, a window a request fills once, in order). The window knows
+(``agent/engine/prompt_cache.py``, a window a request fills once, in order). The window knows
 chunks only as :class:`Placement` s (a ``ChunkKV`` and the logical start it takes); which chunk
 goes where, and why, is its owner's business.
 

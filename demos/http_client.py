@@ -9,7 +9,7 @@ reuse those documents behind a first system line that changes every time (so eve
 token sits at another position). It reports status codes, the server's time to first token
 (``kamera.ttft_ms``: from the job starting on the model thread to the first token) and the
 client's (first streamed token, queueing included), split into uncached and cached requests.
-``--serve MODEL`` starts a server in this process on a free loopback port.
+``--serve MODEL`` starts a ``kamera serve`` process on a free loopback port.
 """
 
 from __future__ import annotations
@@ -50,19 +50,19 @@ def document(d: int, sentences: int) -> str:
 
 
 @contextmanager
-def server(model: str | None) -> Iterator[str | None]:
+def server(model: str | None, threads: int | None = None) -> Iterator[str | None]:
+    """A ``kamera serve`` process for ``model`` (``smollm2``: the embedded default) while the block
+    runs; None when no model is asked for (``--url`` names a running server instead)."""
     if model is None:
         yield None
         return
-    from agent.server.app import create_app
-    from agent.server.background import BackgroundServer
-    from agent.server.limits import ServerLimits
-    from agent.server.runtime import Runtime, RuntimeConfig
+    from tools.serve import ServeProcess
 
-    limits = ServerLimits(queue_size=64, max_tokens=256, default_max_tokens=16)
-    runtime = Runtime.load(RuntimeConfig(model=None if model == "smollm2" else model, limits=limits))
-    with BackgroundServer(create_app(runtime), timeout_s=300) as url:
-        yield url
+    args = ["--queue-size", "64", "--max-tokens", "256", "--default-max-tokens", "16"]
+    args += [] if model == "smollm2" else ["--model", model]
+    args += ["--threads", str(threads)] if threads else []
+    with ServeProcess(args, timeout_s=600) as proc:
+        yield proc.url
 
 
 def chat(url: str, api_key: str) -> int:
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="demos.http_client")
     p.add_argument("mode", choices=["chat", "load"])
     p.add_argument("--url", default=None, help="a running server (default: --serve one here)")
-    p.add_argument("--serve", default=None, help="start a server for MODEL in this process (e.g. smollm2)")
+    p.add_argument("--serve", default=None, help="start a kamera serve process for MODEL (e.g. smollm2)")
     p.add_argument("--api-key", default="none")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=8)
@@ -203,13 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads of a --serve server")
     args = p.parse_args(argv)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     if args.url is None and args.serve is None:
         p.error("give --url or --serve")
-    with server(args.serve) as local:
+    with server(args.serve, args.torch_threads) as local:
         url = args.url or local
         assert url is not None
         return chat(url, args.api_key) if args.mode == "chat" else load(args, url)

@@ -27,10 +27,10 @@ import torch
 from rich.table import Table
 
 from agent.adapters.loading import load_adapter
-from agent.server.answer import answer
-from agent.server.chat import Message, render
-from agent.server.generation import SamplingParams
-from agent.server.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
+from agent.engine.answer import answer
+from agent.engine.chat import Message, render
+from agent.engine.generation import SamplingParams
+from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
 from agent.tables import make_console, print_table
 from cache.store import StoreConfig, TieredStore
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from agent.server.answer import answer, guard_margin
-from agent.server.generation import SamplingParams, decode
-from agent.server.prompt_cache import PromptCache
+from agent.engine.answer import answer, guard_margin
+from agent.engine.generation import SamplingParams, decode
+from agent.engine.prompt_cache import PromptCache
 from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
 
 PARAMS = SamplingParams(max_tokens=24)

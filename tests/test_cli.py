@@ -75,8 +75,8 @@ def test_serve_defaults_are_the_prompt_caches(
 ) -> None:
     """``kamera serve`` spells its defaults out (its parser imports no torch); they are the
     prompt cache's own, and each ``KAMERA_*`` variable sets its flag."""
+    from agent.engine.prompt_cache import PromptCacheConfig
     from agent.server import cli as serve_cli
-    from agent.server.prompt_cache import PromptCacheConfig
 
     fields = (
         "mode",

@@ -11,9 +11,9 @@ import torch
 
 from agent.adapters.loading import load_adapter
 from agent.byte_tokenizer import ByteTokenizer
-from agent.server.chat import Message
-from agent.server.generation import SamplingParams
-from agent.server.prompt_cache import PromptCacheConfig
+from agent.engine.chat import Message
+from agent.engine.generation import SamplingParams
+from agent.engine.prompt_cache import PromptCacheConfig
 from bench.consistency import gap_error, replay, seen_tokens, summarize
 from bench.traces_data import Session
 
@@ -110,9 +110,9 @@ def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> N
     scale a guard margin ``c * sqrt(residual)`` needs, and what the guard then does with each."""
     import threading
 
-    from agent.server.answer import guard_margin
-    from agent.server.generation import decode
-    from agent.server.prompt_cache import PromptUsage
+    from agent.engine.answer import guard_margin
+    from agent.engine.generation import decode
+    from agent.engine.prompt_cache import PromptUsage
     from bench.consistency import Outcome, Row
 
     def row(ref: list[float], cached: list[float], relocated: int, residual: float, fallback: int = 0) -> Row:
@@ -177,7 +177,7 @@ def test_gap_errors_are_read_against_an_independent_full_prefill(llama: Any) -> 
     other logits than it, and their gap errors are read against it."""
     from _util import full_prefill
 
-    from agent.server.chat import render
+    from agent.engine.chat import render
     from bench.consistency import to_messages
     from bench.traces_policies import get_policy
 

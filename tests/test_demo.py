@@ -7,8 +7,8 @@ import pytest
 from _util import full_prefill, greedy
 
 from agent.adapters.base import ModelAdapter
-from agent.server.chat import Message, render
-from agent.server.prompt_cache import PromptCacheConfig
+from agent.engine.chat import Message, render
+from agent.engine.prompt_cache import PromptCacheConfig
 from demos.reorder import DOCUMENTS, QUESTION, SYSTEM, main, run
 
 MAX_NEW_TOKENS = 12

@@ -15,9 +15,9 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import load_adapter
+from agent.engine.chat import ByteTokenizer
+from agent.engine.generation import SamplingParams, decode
 from agent.grammar import GrammarEngine, GrammarError, json_schema_grammar, unpack_bitmask
-from agent.server.chat import ByteTokenizer
-from agent.server.generation import SamplingParams, decode
 
 SCHEMA = {
     "type": "object",

@@ -25,11 +25,12 @@ MAY_IMPORT: dict[str, dict[str, bool]] = {
     "cache": {"cache": True},
     "tools": {"tools": True},
     "agent/adapters": {"agent.adapters": True, "cache": True, "tools.world": True},
+    "agent/engine": {"agent": True, "agent.server": False, "cache": True, "tools": True},
     "agent/server": {"agent": True, "cache": True, "tools": True},
-    # decoding (agent.server.generation) is engine code the loop shares with the server
-    "agent": {"agent": True, "agent.server": False, "agent.server.generation": True, "cache": True},
-    "demos": {"demos": True, "agent": True, "cache": True, "tools": True},
-    "bench": {"bench": True, "agent": True, "cache": True, "tools": True},
+    "agent": {"agent": True, "agent.server": False, "cache": True},
+    # products call the engine; the HTTP server is for clients, reached as a process
+    "demos": {"demos": True, "agent": True, "agent.server": False, "cache": True, "tools": True},
+    "bench": {"bench": True, "agent": True, "agent.server": False, "cache": True, "tools": True},
 }
 
 # Outside libraries that only some folders may import.
@@ -50,7 +51,7 @@ class Import(NamedTuple):
 def room(path: str) -> str:
     """The row of the table a module (``path`` relative to the root) falls under."""
     parts = path.split("/")
-    if parts[0] == "agent" and len(parts) > 2 and parts[1] in ("adapters", "server"):
+    if parts[0] == "agent" and len(parts) > 2 and parts[1] in ("adapters", "engine", "server"):
         return f"agent/{parts[1]}"
     return parts[0]
 
@@ -126,13 +127,14 @@ def test_the_check_names_each_forbidden_import(tmp_path: Path) -> None:
         "agent/__init__.py": "",
         "agent/context.py": "from agent import server\n",
         "agent/server/__init__.py": "",
-        "agent/server/generation.py": "import fastapi\n",
-        "agent/loop.py": "from agent.server.generation import decode\n",
+        "agent/engine/generation.py": "import fastapi\n",
+        "agent/engine/runtime.py": "from agent.server.app import create_app\n",
+        "agent/loop.py": "from agent.engine.generation import decode\n",
         "agent/grammar.py": "def f():\n    import transformers\n",
         "agent/adapters/__init__.py": "",
         "agent/adapters/decoder.py": "from transformers import DynamicCache\nfrom agent.loop import x\n",
         "bench/__init__.py": "",
-        "bench/run.py": "from demos import video_qa\nimport uvicorn\n",
+        "bench/run.py": "from demos import video_qa\nimport uvicorn\nfrom agent.server import app\n",
         "tools/world/model.py": "import transformers\n",
     }
     for name, text in files.items():
@@ -142,8 +144,11 @@ def test_the_check_names_each_forbidden_import(tmp_path: Path) -> None:
     assert sorted(b.split(" (")[0] for b in bad) == [
         "agent/adapters/decoder.py:2: agent/adapters/ imports agent.loop",
         "agent/context.py:1: agent/ imports agent.server",
+        "agent/engine/generation.py:1: agent/engine/ imports fastapi",
+        "agent/engine/runtime.py:1: agent/engine/ imports agent.server.app",
         "agent/grammar.py:2: agent/ imports transformers",
         "bench/run.py:1: bench/ imports demos",
         "bench/run.py:2: bench/ imports uvicorn",
+        "bench/run.py:3: bench/ imports agent.server",
         "cache/store/entry.py:3: cache/ imports agent.context",
     ]

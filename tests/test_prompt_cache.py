@@ -14,12 +14,12 @@ from PIL import Image
 
 from agent.adapters.base import ImageInput
 from agent.adapters.loading import load_adapter
-from agent.server import reuse
-from agent.server.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
-from agent.server.generation import Sampler, SamplingParams, TextStream, decode
-from agent.server.prompt import PromptKeys, Record
-from agent.server.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
-from agent.server.reuse import Finder, follow_runs, run_starts, run_tokens
+from agent.engine import reuse
+from agent.engine.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
+from agent.engine.generation import Sampler, SamplingParams, TextStream, decode
+from agent.engine.prompt import PromptKeys, Record
+from agent.engine.prompt_cache import Prompt, PromptCache, PromptCacheConfig, build_prompt
+from agent.engine.reuse import Finder, follow_runs, run_starts, run_tokens
 from cache.cdc import CDCConfig
 from cache.planner import Plan, PlannedChunk, PlannerConfig
 from cache.store import StoreConfig, TieredStore

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from agent.server.chat import Message
-from agent.server.prompt_cache import PromptCache
+from agent.engine.chat import Message
+from agent.engine.prompt_cache import PromptCache
 from cache.store import Entry, MemoryTier, RedisConfig, RedisTier, TieredStore
 from cache.store.breaker import CircuitBreaker
 from tests.test_prompt_cache import CONFIG, DOC, full_prefill_logits, llama, prompt_of  # noqa: F401

@@ -18,7 +18,7 @@ import torch
 from _util import full_prefill, greedy
 
 from agent.adapters.loading import load_adapter
-from agent.server.chat import ByteTokenizer, Message, render
+from agent.engine.chat import ByteTokenizer, Message, render
 from bench.redis_server import RedisServer, RedisServerMissingError, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.server.chat import Message
-from agent.server.generation import SamplingParams
-from agent.server.prompt_cache import PromptCacheConfig
-from agent.server.runtime import ChatOutcome, Runtime, RuntimeConfig
+from agent.engine.chat import Message
+from agent.engine.generation import SamplingParams
+from agent.engine.prompt_cache import PromptCacheConfig
+from agent.engine.runtime import ChatOutcome, Runtime, RuntimeConfig
 from cache.store import StoreConfig
 from tests._util import full_prefill, greedy
 

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from agent.engine.limits import ServerLimits
+from agent.engine.prompt_cache import PromptCacheConfig
+from agent.engine.runtime import Runtime, RuntimeConfig
 from agent.server.app import create_app
 from agent.server.background import BackgroundServer
-from agent.server.limits import ServerLimits
-from agent.server.prompt_cache import PromptCacheConfig
-from agent.server.runtime import Runtime, RuntimeConfig
 from cache.cdc import CDCConfig
 from cache.planner import PlannerConfig
 from cache.store import StoreConfig

@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.engine.chat import ByteTokenizer
+from agent.engine.limits import ServerLimits
+from agent.engine.runtime import Runtime
+from agent.engine.token_bound import JSON_ESCAPE_BYTES, TokenBound
 from agent.server.app import body_bounds, create_app
 from agent.server.background import BackgroundServer
-from agent.server.chat import ByteTokenizer
-from agent.server.limits import ServerLimits
-from agent.server.runtime import Runtime
-from agent.server.token_bound import JSON_ESCAPE_BYTES, TokenBound
 from tests.test_server import tiny_config
 
 PROMPT_TOKENS = 512

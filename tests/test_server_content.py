@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.engine.media import load_image_url
+from agent.engine.runtime import Runtime
 from agent.server.app import create_app
 from agent.server.background import BackgroundServer
-from agent.server.media import load_image_url
-from agent.server.runtime import Runtime
 from tests.test_server import png_data_url, tiny_config
 
 

@@ -21,12 +21,12 @@ import httpx
 import pytest
 from PIL import Image
 
+from agent.engine.limits import ServerLimits
+from agent.engine.runtime import Runtime
+from agent.engine.scheduler import ModelWorker, QueueFullError
+from agent.engine.sessions import SessionLimitError, SessionManager
 from agent.server.app import create_app
 from agent.server.background import BackgroundServer
-from agent.server.limits import ServerLimits
-from agent.server.runtime import Runtime
-from agent.server.scheduler import ModelWorker, QueueFullError
-from agent.server.sessions import SessionLimitError, SessionManager
 from tests.test_server import png_data_url, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,13 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.engine.chat import ByteTokenizer
+from agent.engine.limits import ServerLimits
+from agent.engine.runtime import Runtime
+from agent.engine.token_bound import TokenBound
 from agent.server.app import create_app
 from agent.server.background import BackgroundServer
-from agent.server.chat import ByteTokenizer
-from agent.server.limits import ServerLimits
-from agent.server.runtime import Runtime
 from agent.server.strict import parse_json
-from agent.server.token_bound import TokenBound
 from tests.test_server import tiny_config
 
 LIMITS = ServerLimits(

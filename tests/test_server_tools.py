@@ -16,10 +16,10 @@ import jsonschema
 import pytest
 import torch
 
+from agent.engine.limits import ServerLimits
+from agent.engine.runtime import Runtime, RuntimeConfig
 from agent.server.app import create_app
 from agent.server.background import BackgroundServer
-from agent.server.limits import ServerLimits
-from agent.server.runtime import Runtime, RuntimeConfig
 from bench import structured_outputs as bench
 
 TOOLS = bench.TOOLS

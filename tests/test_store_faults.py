@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from agent.adapters.loading import load_adapter
-from agent.server.chat import ByteTokenizer, Message
-from agent.server.prompt_cache import PromptCache
+from agent.engine.chat import ByteTokenizer, Message
+from agent.engine.prompt_cache import PromptCache
 from cache.store import (
     DiskTier,
     Entry,

@@ -1,7 +1,7 @@
 """Tool calling without a model: the prompt pieces, the call parser, history checks, the plan.
 
-Covers ``agent/server/tools.py``, ``agent/server/structured.py`` and the tool side of
-``agent/server/chat.py``.
+Covers ``agent/engine/tools.py``, ``agent/server/structured.py`` and the tool side of
+``agent/engine/chat.py``.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from agent.engine.chat import ByteTokenizer, Message, TextPiece, render
+from agent.engine.tools import CallStream, Tool, ToolCall, ToolError, call_grammar, split_calls
 from agent.grammar import GrammarEngine
 from agent.server import schemas as S
-from agent.server.chat import ByteTokenizer, Message, TextPiece, render
 from agent.server.structured import output_plan
-from agent.server.tools import CallStream, Tool, ToolCall, ToolError, call_grammar, split_calls
 
 
 def fn(name: str, **props: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ Qwen2, Qwen3). Others decode one sequence at a time through the model's own forw
 
 **Stepping.** Code that decodes (``DecoderAdapter.decode_step``) and code that prefills
 (``DecoderAdapter._run``) ask :func:`current` whether their thread belongs to a scheduler that
-batches steps (``agent/server/scheduler.py``): a :class:`Stepper` bound with :func:`bind`. Then a
+batches steps (``agent/engine/scheduler.py``): a :class:`Stepper` bound with :func:`bind`. Then a
 decode step is handed to it (and comes back with the logits of the batched pass it joined) and a
 forward pass is followed by a pause, where the scheduler may run other work. Elsewhere (scripts,
 tests, the CLI) steps run at once, through the same :func:`decode_rows`, so their numbers are the

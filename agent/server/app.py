@@ -27,12 +27,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agent.engine.runtime import Runtime
 from agent.server import errors
 from agent.server.auth import OPEN_PATHS, AuthMiddleware
 from agent.server.limits import BodyBound, BodyLimitMiddleware
 from agent.server.metrics import Metrics
 from agent.server.routes import chat, ops, sessions
-from agent.server.runtime import Runtime
 from agent.server.state import ServerState
 
 log = logging.getLogger("kamera.server")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.server.limits import ServerLimits, limit_fields
+from agent.engine.limits import ServerLimits, limit_fields
 
 
 def _env(name: str, default: Any) -> Any:
@@ -156,9 +156,9 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    from agent.server.media import MediaPolicy
-    from agent.server.prompt_cache import PromptCacheConfig
-    from agent.server.runtime import RuntimeConfig
+    from agent.engine.media import MediaPolicy
+    from agent.engine.prompt_cache import PromptCacheConfig
+    from agent.engine.runtime import RuntimeConfig
     from cache.store import RedisConfig, StoreConfig
     from tools.media import FetchConfig
 
@@ -210,9 +210,9 @@ def build_config(args: argparse.Namespace) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        from agent.engine.runtime import Runtime
         from agent.server.app import create_app
         from agent.server.logs import configure_logging
-        from agent.server.runtime import Runtime
         from agent.server.serving import serve
     except ImportError as exc:
         print(f"kamera serve needs the server extra: pip install 'kamera[server]' ({exc})")

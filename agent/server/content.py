@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 from PIL import Image
 
+from agent.engine.media import VideoClip, load_image_url, load_video_url
 from agent.server import schemas as S
 from agent.server.errors import ApiError
-from agent.server.media import VideoClip, load_image_url, load_video_url
 from agent.server.state import ServerState
 
 Part = S.TextPart | S.ImagePart | S.VideoPart

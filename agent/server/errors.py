@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.context import RecallError
+from agent.engine.chat import TemplateError
+from agent.engine.media import BadMediaError, MediaLimitError
+from agent.engine.prompt_cache import NoImagesError
+from agent.engine.runtime import PromptTooLongError
+from agent.engine.scheduler import CancelledJobError, DrainingError, QueueFullError
+from agent.engine.sessions import SessionLimitError, SessionNotFoundError
 from agent.grammar import GrammarError
 from agent.server import schemas as S
-from agent.server.chat import TemplateError
-from agent.server.media import BadMediaError, MediaLimitError
-from agent.server.prompt_cache import NoImagesError
-from agent.server.runtime import PromptTooLongError
-from agent.server.scheduler import CancelledJobError, DrainingError, QueueFullError
-from agent.server.sessions import SessionLimitError, SessionNotFoundError
 from agent.server.strict import describe
 
 log = logging.getLogger("kamera.server")

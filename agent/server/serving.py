@@ -26,7 +26,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agent.server.runtime import Runtime
+from agent.engine.runtime import Runtime
 
 
 def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:

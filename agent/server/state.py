@@ -19,11 +19,11 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 
 from agent.adapters.loading import WORLD_VL
+from agent.engine.limits import ServerLimits
+from agent.engine.runtime import Runtime
+from agent.engine.scheduler import DrainingError, QueueFullError
 from agent.server.errors import ApiError, api_error
-from agent.server.limits import ServerLimits
 from agent.server.metrics import Metrics
-from agent.server.runtime import Runtime
-from agent.server.scheduler import DrainingError, QueueFullError
 from agent.server.strict import strict_route
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The structured side of a chat completion: tools, grammars, tool calls and logprobs out.
 
 :func:`output_plan` reads ``tools``, ``tool_choice`` and ``response_format`` and checks they hold
-together (a :class:`~agent.server.tools.ToolError` naming the field otherwise):
+together (a :class:`~agent.engine.tools.ToolError` naming the field otherwise):
 
 =======================  ==================  =====================================================
 tool_choice              tools in prompt     grammar
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent.engine.generation import TokenLogprob
+from agent.engine.tools import Tool, ToolCall, ToolError, call_grammar, check_history, check_tools
 from agent.grammar import schema_rule
 from agent.server import schemas as S
-from agent.server.generation import TokenLogprob
-from agent.server.tools import Tool, ToolCall, ToolError, call_grammar, check_history, check_tools
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,17 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from agent.engine.generation import SamplingParams
+from agent.engine.runtime import PromptTooLongError
+from agent.engine.tools import ToolError
 from agent.grammar import GrammarError
 from agent.server import schemas as S
 from agent.server.content import check_media, count_media
 from agent.server.errors import ERRORS, ApiError
-from agent.server.generation import SamplingParams
 from agent.server.routes.completion import Completion, choice_logprobs, message_of, prepare, record, usage
 from agent.server.routes.stream import stream_chat
-from agent.server.runtime import PromptTooLongError
 from agent.server.state import ServerState, tenant_of
 from agent.server.structured import OutputPlan, output_plan
-from agent.server.tools import ToolError
 
 PATH = "/v1/chat/completions"
 Finish = Literal["stop", "length", "tool_calls"]

@@ -16,16 +16,16 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from agent.engine.chat import Message, Piece, takes_tools
+from agent.engine.generation import SamplingParams, TextCallback, TokenLogprob
+from agent.engine.media import VideoClip
+from agent.engine.runtime import ChatOutcome
+from agent.engine.tools import ToolCall, split_calls
 from agent.server import schemas as S
-from agent.server.chat import Message, Piece, takes_tools
 from agent.server.content import load_part
 from agent.server.errors import PREPARE_ERRORS
-from agent.server.generation import SamplingParams, TextCallback, TokenLogprob
-from agent.server.media import VideoClip
-from agent.server.runtime import ChatOutcome
 from agent.server.state import ServerState
 from agent.server.structured import OutputPlan, call_out, logprob_content
-from agent.server.tools import ToolCall, split_calls
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from agent.engine.media import BadMediaError, MediaLimitError, VideoClip, load_image_url
+from agent.engine.runtime import PromptTooLongError
+from agent.engine.sessions import Session, SessionLimitError, SessionNotFoundError
 from agent.loop import Agent, FramesObservation, ImageObservation, Observation, StepResult, TextObservation
 from agent.policies import MIN_ACTION_TOKENS
 from agent.server import schemas as S
 from agent.server.content import MediaCount, check_media, count_media, load_part
 from agent.server.errors import ERRORS, ApiError
-from agent.server.media import BadMediaError, MediaLimitError, VideoClip, load_image_url
-from agent.server.runtime import PromptTooLongError
-from agent.server.sessions import Session, SessionLimitError, SessionNotFoundError
 from agent.server.state import ServerState, tenant_of
 
 

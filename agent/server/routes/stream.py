@@ -25,14 +25,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from agent.engine.generation import TokenLogprob
+from agent.engine.runtime import ChatOutcome
+from agent.engine.tools import CallStream, ToolCall
 from agent.server import schemas as S
 from agent.server.errors import INTERNAL, ApiError, api_error
-from agent.server.generation import TokenLogprob
 from agent.server.routes.completion import Completion, prepare, record, usage
-from agent.server.runtime import ChatOutcome
 from agent.server.state import ServerState
 from agent.server.structured import logprob_content
-from agent.server.tools import CallStream, ToolCall
 
 Event = tuple[str, str, list[TokenLogprob]]  # a streaming job's (kind, text, logprobs of the text)
 log = logging.getLogger("kamera.server")

@@ -31,7 +31,7 @@ from typing import Any
 from PIL import Image
 
 from agent.byte_tokenizer import ByteTokenizer as ByteTokenizer  # the server's modules import it from here
-from agent.server.tools import prompt_parts_of
+from agent.engine.tools import prompt_parts_of
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")

@@ -25,7 +25,7 @@ import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter
-from agent.server.chat import ImagePiece, Piece, TextPiece
+from agent.engine.chat import ImagePiece, Piece, TextPiece
 from cache.keys import ContentKey, Namespace, chain_key, fingerprint, span_key
 from cache.layout import ChunkKV
 from cache.store import record_key

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from agent.server.limits import ServerLimits
+from agent.engine.limits import ServerLimits
 from tools.media import (
     FetchConfig,
     ImageLimits,

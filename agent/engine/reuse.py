@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agent.server.prompt import (
+from agent.engine.prompt import (
     Prompt,
     PromptKeys,
     Record,

@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from agent.engine.generation import Decoded, SamplingParams, TextCallback, decode
+from agent.engine.prompt import Prompt
+from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage, ReuseMode
 from agent.grammar import Constraint
-from agent.server.generation import Decoded, SamplingParams, TextCallback, decode
-from agent.server.prompt import Prompt
-from agent.server.prompt_cache import Prepared, PromptCache, PromptUsage, ReuseMode
 
 
 class Answer(NamedTuple):

@@ -25,17 +25,17 @@ from agent.adapters import batched
 from agent.adapters.base import ModelAdapter
 from agent.adapters.vision import VisionAdapter
 from agent.context import WindowConfig
+from agent.engine.answer import answer
+from agent.engine.chat import ByteTokenizer, Message, Piece, TextPiece, render
+from agent.engine.generation import Decoded, SamplingParams, TextCallback
+from agent.engine.limits import ServerLimits
+from agent.engine.media import MediaPolicy
+from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
+from agent.engine.scheduler import ModelWorker
+from agent.engine.sessions import Session, SessionManager
+from agent.engine.token_bound import TokenBound
 from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
-from agent.server.answer import answer
-from agent.server.chat import ByteTokenizer, Message, Piece, TextPiece, render
-from agent.server.generation import Decoded, SamplingParams, TextCallback
-from agent.server.limits import ServerLimits
-from agent.server.media import MediaPolicy
-from agent.server.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
-from agent.server.scheduler import ModelWorker
-from agent.server.sessions import Session, SessionManager
-from agent.server.token_bound import TokenBound
 from agent.window_ops import WindowOp, apply
 from cache.store import StoreConfig, TieredStore
 

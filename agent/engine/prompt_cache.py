@@ -62,8 +62,7 @@ import torch
 
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import encoder_calls
-from agent.recompute import DeviationSelection, Repaired, recompute_into
-from agent.server.prompt import (
+from agent.engine.prompt import (
     NoImagesError,
     Prompt,
     PromptKeys,
@@ -73,7 +72,8 @@ from agent.server.prompt import (
     build_prompt,
     ids_upto,
 )
-from agent.server.reuse import Finder
+from agent.engine.reuse import Finder
+from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
 from cache.index import ContentIndex, RadixTree
 from cache.keys import Namespace
