@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 from agent.adapters.base import ChunkInput, ImageInput
+from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
 from cache.keys import digest_key
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
@@ -65,7 +66,7 @@ class WindowConfig:
     orbit_orderings: int = 4
     tenant_salt: str = ""
     keep: str = "canonical+patch"
-    reuse: str = "repair"
+    reuse: ReuseMode = DEFAULT_MODE
     repair_margin: float = 0.5
 
     def __post_init__(self) -> None:
@@ -77,8 +78,7 @@ class WindowConfig:
             raise ValueError("headroom_tokens and max_offset must not be negative")
         if self.orbit_orderings < 1:
             raise ValueError("orbit_orderings must be at least 1")
-        if self.reuse not in ("exact", "repair", "fast"):
-            raise ValueError(f"reuse must be 'exact', 'repair' or 'fast', got {self.reuse!r}")
+        check_mode(self.reuse)
         if not 0.0 <= self.repair_margin < float("inf"):
             raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
         if self.rope_kernel not in KERNELS:

@@ -56,7 +56,8 @@ import torch
 from agent.engine.answer import answer
 from agent.engine.chat import Message, render
 from agent.engine.generation import SamplingParams
-from agent.engine.prompt_cache import REUSE_MODES, PromptCache, PromptCacheConfig, ReuseMode, build_prompt
+from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
+from agent.modes import REUSE_MODES, ReuseMode
 from agent.tables import make_console
 from agent.tables import print_table as draw
 from bench.agreement import answer_fields, ttft_fields

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.modes import REUSE_MODES
 from tools.serve import free_port, wait_healthy
 
 HERE = Path(__file__).resolve().parents[1]
@@ -137,7 +138,7 @@ def _tree(text: str) -> tuple[str, Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kamera bench serve-ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", type=_tree, action="append", help="NAME=PATH of a checkout (repeatable)")
-    p.add_argument("--reuse-mode", choices=["exact", "repair", "fast"], default="repair")
+    p.add_argument("--reuse-mode", choices=REUSE_MODES, default="repair")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--trials", type=int, default=4, help="conversations per server per round")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each server")

@@ -50,6 +50,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from agent.modes import REUSE_MODES
 from agent.tables import make_console
 from agent.tables import print_table as draw
 from bench.traces import SETS
@@ -351,7 +352,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--requests", type=int, default=3, help="first N requests of each conversation")
     ap.add_argument("--route", default="conversation", choices=["conversation", "request"])
-    ap.add_argument("--mode", default="exact", choices=["exact", "repair", "fast"], help="server reuse mode")
+    ap.add_argument("--mode", default="exact", choices=REUSE_MODES, help="server reuse mode")
     ap.add_argument("--model", default=None, help="kamera serve --model (default: the embedded SmolLM2)")
     ap.add_argument("--host-bytes", type=int, default=1 << 30, help="per server")
     ap.add_argument("--disk-bytes", type=int, default=1 << 30, help="per directory")

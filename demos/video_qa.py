@@ -39,6 +39,7 @@ import torch
 
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, frozen_heap
 from agent.adapters.qwen_vl import QwenVLAdapter
+from agent.modes import REUSE_MODES
 from agent.tables import make_console
 from demos.retrieval import RETRIEVALS
 from demos.video_session import LAYOUTS, SYSTEM_PROMPT, Asked, VideoSession
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reuse-mode",
-        choices=["exact", "repair", "fast"],
+        choices=REUSE_MODES,
         default="repair",
         help="exact: a question's window is kept only where a fresh prefill would compute the same "
         "KV, the rest prefilled in context (vision features still reused); repair (default): frames "

@@ -31,8 +31,9 @@ import torch
 
 from agent.engine.generation import Decoded, SamplingParams, TextCallback, decode
 from agent.engine.prompt import Prompt
-from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage, ReuseMode
+from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage
 from agent.grammar import Constraint
+from agent.modes import ReuseMode
 
 
 class Answer(NamedTuple):

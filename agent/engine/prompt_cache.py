@@ -20,7 +20,7 @@ prefilled segment by segment: the model cache, the logits and the greedy tokens 
 full prefill (which is this same code with nothing reused). Only KV that is exact in that sense
 enters the radix tree, so a prefix hit is never KV computed after approximate reuse.
 
-Modes (``ReuseMode``, per request, a server default):
+Modes (``agent/modes.py``, per request, a server default), as this cache runs them:
 
 - ``exact``: only the exact prefix is reused; the answer is the full prefill's, bit for bit.
 - ``repair``: the exact prefix, then chunks found by content at moved positions or after other
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,6 +73,7 @@ from agent.engine.prompt import (
     ids_upto,
 )
 from agent.engine.reuse import Finder
+from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
 from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
 from cache.index import ContentIndex, RadixTree
@@ -84,19 +85,15 @@ from cache.store import Entry, TieredStore, record_key
 from cache.window import Placement, Window
 
 __all__ = [
-    "REUSE_MODES",
     "NoImagesError",
     "Prepared",
     "Prompt",
     "PromptCache",
     "PromptCacheConfig",
     "PromptUsage",
-    "ReuseMode",
     "build_prompt",
 ]
 
-ReuseMode = Literal["exact", "repair", "fast"]
-REUSE_MODES: tuple[ReuseMode, ...] = get_args(ReuseMode)
 
 
 @dataclass(frozen=True)
@@ -125,7 +122,7 @@ class PromptCacheConfig:
     max_index_entries: int = 1 << 16
     rope_kernel: str = "auto"
     max_tenants: int = 1024
-    mode: ReuseMode = "repair"
+    mode: ReuseMode = DEFAULT_MODE
     block_tokens: int = 128
     min_reuse_tokens: int = 32
     repair_ratio: float = 0.15
@@ -162,11 +159,6 @@ class PromptCacheConfig:
             return float("inf")
         return self.repair_residual_unit * (self.repair_margin_cap / self.repair_margin) ** 2
 
-
-def check_mode(mode: str) -> ReuseMode:
-    if mode not in REUSE_MODES:
-        raise ValueError(f"unknown reuse mode {mode!r}; choose from {', '.join(REUSE_MODES)}")
-    return mode  # type: ignore[return-value]
 
 
 class PromptUsage(NamedTuple):

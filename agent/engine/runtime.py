@@ -30,12 +30,13 @@ from agent.engine.chat import ByteTokenizer, Message, Piece, TextPiece, render
 from agent.engine.generation import Decoded, SamplingParams, TextCallback
 from agent.engine.limits import ServerLimits
 from agent.engine.media import MediaPolicy
-from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, ReuseMode, build_prompt
+from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, PromptUsage, build_prompt
 from agent.engine.scheduler import ModelWorker
 from agent.engine.sessions import Session, SessionManager
 from agent.engine.token_bound import TokenBound
 from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
+from agent.modes import ReuseMode
 from agent.window_ops import WindowOp, apply
 from cache.store import StoreConfig, TieredStore
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.engine.limits import ServerLimits, limit_fields
+from agent.modes import MODE_HELP, REUSE_MODES
 
 
 def _env(name: str, default: Any) -> Any:
@@ -54,9 +55,9 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--reuse-mode",
         default=_env("reuse_mode", "repair"),
-        choices=["exact", "repair", "fast"],
-        help="default reuse of cached KV (a request's kamera_reuse overrides it): exact prefix only, "
-        "content reuse repaired, or content reuse blind",
+        choices=REUSE_MODES,
+        help="default reuse of cached KV (a request's kamera_reuse overrides it): "
+        + "; ".join(f"{m}: {MODE_HELP[m]}" for m in REUSE_MODES),
     )
     store.add_argument(
         "--repair-ratio",

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agent.modes import ReuseMode
 from agent.window_ops import Recall, Reorder, Slide
 
 # Whether the request being validated may carry unknown fields (dropped), per app.
@@ -150,7 +151,7 @@ class ChatCompletionRequest(RequestModel):
     cache_salt: str | None = Field(default=None, max_length=256)
     # how cached KV may be reused for this request (the server's --reuse-mode by default):
     # "exact" (prefix only, the full prefill's answer bit for bit), "repair", "fast" (blind)
-    kamera_reuse: Literal["exact", "repair", "fast"] | None = None
+    kamera_reuse: ReuseMode | None = None
     user: str | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -215,7 +216,7 @@ class Usage(BaseModel):
 class CacheReport(BaseModel):
     """Where the prompt's KV came from and what it cost (our extension of the response)."""
 
-    reuse_mode: Literal["exact", "repair", "fast"]
+    reuse_mode: ReuseMode
     prefix_tokens: int  # reused exactly (the exact prefix, bit for bit)
     relocated_tokens: int  # reused by content at a moved position or after other antecedents
     repaired_tokens: int  # of those, recomputed through every layer by the repair
@@ -276,7 +277,7 @@ class SessionCreate(RequestModel):
     max_tokens: int = Field(default=64, ge=1)
     cache_salt: str | None = Field(default=None, max_length=256)
     # how the session's steps may rest on reused KV; None: the server's --reuse-mode
-    kamera_reuse: Literal["exact", "repair", "fast"] | None = None
+    kamera_reuse: ReuseMode | None = None
 
 
 class TextObs(TextPart):
