@@ -22,6 +22,7 @@ Not here: window mechanics (``agent/context.py``), how the model holds KV (``age
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -34,10 +35,13 @@ from PIL import Image
 from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
+from agent.engine.chat import ChatML, TemplateError, chat_format
 from agent.engine.generation import SamplingParams, decode
 from agent.grammar import Constraint, GrammarEngine
 from agent.policies import Policy, make_policy
 from cache.store import StoreConfig, TieredStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,22 +84,6 @@ class ChatFormat(Protocol):
     def end_of_turn(self) -> str: ...
 
 
-class ChatML:
-    """``<|im_start|>role\\n...<|im_end|>`` (SmolLM2, Qwen). Observations sit in user turns."""
-
-    def system(self, text: str) -> str:
-        return f"<|im_start|>system\n{text}<|im_end|>\n"
-
-    def user_text(self, text: str) -> str:
-        return f"<|im_start|>user\n{text}<|im_end|>\n"
-
-    def instruction(self, text: str) -> str:
-        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-    def end_of_turn(self) -> str:
-        return "<|im_end|>\n"
-
-
 @dataclass(frozen=True)
 class StepReport:
     """What one step cost and reused. Times in milliseconds."""
@@ -126,6 +114,15 @@ class StepResult:
             "report": asdict(self.report),
             "chunk_ids": self.chunk_ids,
         }
+
+
+def _chat_format(adapter: ModelAdapter) -> ChatFormat:
+    """The model's chat template cut into turns, or ChatML (with a warning) where it cannot be."""
+    try:
+        return chat_format(adapter.tokenizer)
+    except TemplateError as exc:
+        log.warning("%s: %s; the window is laid out in ChatML", adapter.info.name, exc)
+        return ChatML()
 
 
 class _FreshWindow:
@@ -163,7 +160,7 @@ class Agent:
         write freely (its replies may then not parse). ``grammar``: an engine over the model's
         tokenizer to share (built on the first constrained step otherwise)."""
         self.adapter = adapter
-        self.chat = chat or ChatML()
+        self.chat = chat or _chat_format(adapter)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.store = store or TieredStore.from_config(StoreConfig(host_bytes=2 << 30))
         self.max_new_tokens = max_new_tokens

@@ -26,7 +26,8 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
 from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
-from agent.loop import Agent, ChatML
+from agent.engine.chat import ChatML
+from agent.loop import Agent
 from cache.keys import digest_key
 from demos.retrieval import FrameRecord, make_retrieval
 from demos.vl_model import UsageError, encode_text, fresh_adapter

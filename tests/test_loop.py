@@ -12,7 +12,8 @@ from _util import greedy, max_rel
 from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
 from agent.engine.chat import ByteTokenizer
-from agent.loop import Agent, ChatML, TextObservation
+from agent.engine.chat import ChatML
+from agent.loop import Agent, TextObservation
 
 SYSTEM = "You answer from notes."
 NOTES = [TextObservation(" ".join(f"note {i}.{j} is {i * j}" for j in range(12))) for i in range(6)]

@@ -166,3 +166,97 @@ def _apply_template(
         return str(out)
     body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return body + "<|im_start|>assistant\n"
+
+
+class ChatML:
+    """``<|im_start|>role\\n...<|im_end|>`` (SmolLM2, Qwen) as an agent window lays it out: the
+    system turn, one user turn per text observation, the instruction's user turn with the
+    assistant's turn opened after it, and the end of the assistant's turn."""
+
+    def system(self, text: str) -> str:
+        return f"<|im_start|>system\n{text}<|im_end|>\n"
+
+    def user_text(self, text: str) -> str:
+        return f"<|im_start|>user\n{text}<|im_end|>\n"
+
+    def instruction(self, text: str) -> str:
+        return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    def end_of_turn(self) -> str:
+        return "<|im_end|>\n"
+
+
+@dataclass(frozen=True)
+class TemplateChat:
+    """The same layout cut out of a model's own chat template: the text it writes around a
+    system message, around a user message, to open the assistant's turn and to close it.
+
+    Built by :func:`chat_format`, which renders a few conversations with sentinel contents and
+    checks that the template writes each turn the same way wherever it sits (the window moves
+    turns around, so a turn's text must not depend on its neighbours)."""
+
+    system_open: str
+    system_close: str
+    user_open: str
+    user_close: str
+    assistant_open: str
+    assistant_close: str
+
+    def system(self, text: str) -> str:
+        return f"{self.system_open}{text}{self.system_close}"
+
+    def user_text(self, text: str) -> str:
+        return f"{self.user_open}{text}{self.user_close}"
+
+    def instruction(self, text: str) -> str:
+        return f"{self.user_open}{text}{self.user_close}{self.assistant_open}"
+
+    def end_of_turn(self) -> str:
+        return self.assistant_close
+
+
+def chat_format(tokenizer: Any) -> TemplateChat | ChatML:
+    """How an agent window lays out turns for ``tokenizer``'s model: its chat template cut into
+    turns (:class:`TemplateChat`), or ChatML for a tokenizer without a template.
+
+    TemplateError when the template cannot be cut that way: it refuses a system message or two
+    user turns in a row, or writes a turn differently by its place (a template that puts a date
+    or the conversation's length into every turn, for example)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ChatML()
+
+    def text(roles: Sequence[str], generation: bool) -> str:
+        messages = [{"role": r, "content": f"{_OPEN}{i}{_CLOSE}"} for i, r in enumerate(roles)]
+        try:
+            return str(
+                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            )
+        except Exception as exc:  # jinja raises its own exception types for template errors
+            raise TemplateError(f"the chat template cannot lay out an agent window: {exc}") from exc
+
+    def around(rendered: str, prefix: str, index: int) -> tuple[str, str]:
+        """The text before and after content ``index``, ``rendered`` being ``prefix`` + one turn."""
+        if not rendered.startswith(prefix):
+            raise TemplateError("the chat template rewrites earlier turns as the conversation grows")
+        turn = rendered[len(prefix) :]
+        mark = f"{_OPEN}{index}{_CLOSE}"
+        if turn.count(mark) != 1:
+            raise TemplateError("the chat template does not write each message's content once, as given")
+        before, after = turn.split(mark)
+        return before, after
+
+    system_only = text(["system"], False)
+    system_open, system_close = around(system_only, "", 0)
+    one_user = text(["system", "user"], False)
+    user_open, user_close = around(one_user, system_only, 1)
+    # a second user turn in a row is written like the first (a window holds many)
+    if around(text(["system", "user", "user"], False), one_user, 2) != (user_open, user_close):
+        raise TemplateError("the chat template writes a user turn differently by its place")
+    assistant_open = text(["system", "user"], True)[len(one_user) :]
+    replied = text(["system", "user", "assistant"], False)
+    opened, assistant_close = around(replied, one_user, 2)
+    if opened != assistant_open:
+        raise TemplateError("the chat template opens the assistant's turn differently once it is written")
+    if around(text(["system", "user", "assistant", "user"], False), replied, 3) != (user_open, user_close):
+        raise TemplateError("the chat template writes a user turn differently after an answer")
+    return TemplateChat(system_open, system_close, user_open, user_close, assistant_open, assistant_close)
