@@ -79,11 +79,15 @@ def test_a_batched_step_is_the_models_own_step(smollm2: Any, needle: list[int]) 
     assert tokens == ours[0]
 
 
+@pytest.mark.parametrize("float32", [False, True], ids=["gguf-blocks", "float32"])
 @pytest.mark.parametrize("arena", [False, True], ids=["dynamic-cache", "arena"])
 def test_a_needle_decodes_the_same_alone_and_in_any_batch(
-    smollm2: Any, needle: list[int], arena: bool
+    smollm2: Any, needle: list[int], arena: bool, float32: bool, monkeypatch: Any
 ) -> None:
-    """Tokens and logits bit for bit the same alone and among 1 to 32 others of other lengths."""
+    """Tokens and logits bit for bit the same alone and among 1 to 32 others of other lengths,
+    with the products on the GGUF blocks (unpadded) or on the float32 weights (padded)."""
+    if float32:
+        monkeypatch.setattr(smollm2, "linears", None)
     alone = _decode_together(smollm2, [needle], arena=arena)[0]
     rng = random.Random(7)
     for others in (1, 6, 32) if not arena else (6,):
@@ -105,6 +109,7 @@ def test_unpadded_rows_would_depend_on_the_batch(smollm2: Any, needle: list[int]
     w = torch.randn(1536, 576)
     if all(torch.equal(F.linear(x[:n], w)[n - 1], F.linear(x, w)[n - 1]) for n in (1, 2, 3, 5, 6, 7)):
         pytest.skip("this CPU's matrix products do not depend on the row count")
+    monkeypatch.setattr(smollm2, "linears", None)  # the float32 products the padding is for
     monkeypatch.setattr(batched, "ROW_BLOCK", 1)
     alone = _decode_together(smollm2, [needle])[0]
     rng = random.Random(7)
@@ -115,6 +120,7 @@ def test_unpadded_rows_would_depend_on_the_batch(smollm2: Any, needle: list[int]
 def test_a_row_mixing_step_is_caught(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
     """The inverse test of the check itself: a step whose numbers depend on the batch size (here
     the head's sum split in two when more than four rows run) fails the comparison."""
+    monkeypatch.setattr(smollm2, "linears", None)  # the head through the model's own module
     head = smollm2.model.get_output_embeddings()
 
     class SplitHead(torch.nn.Module):

@@ -14,7 +14,9 @@ rows (``tests/test_batched.py`` measures it; bfloat16 products showed no such de
 step therefore runs a multiple of ``ROW_BLOCK`` rows, padded with a zero token at position 0
 whose results are dropped, so a sequence decodes bit for bit the same alone or among up to
 ``MAX_ROWS - 1`` others, whatever its place in the batch. The padding rows go through the whole
-pass (their products are part of the shape that fixes the sums) and are thrown away.
+pass (their products are part of the shape that fixes the sums) and are thrown away. Steps whose
+every product runs on a row-independent kernel (``Linears.row_invariant``: the GGUF block
+products of ``qlinear.py``) need no padding and run exactly their rows.
 
 Supported: decoder layers of the Llama shape (``self_attn.{q,k,v,o}_proj``, optional per-head
 ``q_norm``/``k_norm``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) with full
@@ -96,12 +98,62 @@ def supports(model: Any) -> bool:
     )
 
 
+class Linears(Protocol):
+    """Where a step's linear layers run: the model's own float32 modules (:class:`ModelLinears`)
+    or another kernel for the same weights (``qlinear.QuantDecode``). x: ``[rows, features]``."""
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's products are the same whatever the number of rows (no padding needed)."""
+
+    def qkv(self, i: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Layer i's query, key and value projections of x."""
+
+    def o(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention output projection."""
+
+    def mlp(self, i: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP (``mlp`` the model's module)."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head."""
+
+
+class ModelLinears:
+    """The model's own modules: float32 GEMMs, whose sums depend on the number of rows."""
+
+    row_invariant = False
+
+    def __init__(self, model: Any) -> None:
+        self.layers = model.get_decoder().layers
+        self.head = model.get_output_embeddings()
+
+    def qkv(self, i: int, x: torch.Tensor) -> list[torch.Tensor]:
+        attn = self.layers[i].self_attn
+        return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+
+    def o(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[i].self_attn.o_proj(x)
+
+    def mlp(self, i: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
 @torch.inference_mode()
 def decode_rows(
-    model: Any, tokens: Sequence[int], caches: Sequence[Any], positions: Sequence[int]
+    model: Any,
+    tokens: Sequence[int],
+    caches: Sequence[Any],
+    positions: Sequence[int],
+    linears: Linears | None = None,
 ) -> torch.Tensor:
     """Logits ``[N, vocab]`` (float32) of ``tokens[i]`` placed at ``positions[i]`` on
-    ``caches[i]``; each cache grows by one token. Rows are padded to a multiple of ``ROW_BLOCK``."""
+    ``caches[i]``; each cache grows by one token. ``linears``: where the linear layers run (the
+    model's own modules when None). Rows are padded to a multiple of ``ROW_BLOCK`` unless every
+    product is row-invariant."""
     n = len(tokens)
     if not n == len(caches) == len(positions):
         raise ValueError(f"{n} tokens, {len(caches)} caches and {len(positions)} positions")
@@ -110,7 +162,8 @@ def decode_rows(
     base = model.get_decoder()
     cfg = model.config.get_text_config()
     device = next(model.parameters()).device
-    rows = -(-n // ROW_BLOCK) * ROW_BLOCK
+    lin = ModelLinears(model) if linears is None else linears
+    rows = n if lin.row_invariant else -(-n // ROW_BLOCK) * ROW_BLOCK
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     ids[:n] = torch.tensor(list(tokens), dtype=torch.long)
     pos = torch.zeros(rows, dtype=torch.long, device=device)
@@ -126,9 +179,8 @@ def decode_rows(
         attn = layer.self_attn
         d = attn.head_dim
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(rows, heads, d)
-        k = attn.k_proj(x).view(rows, kv_heads, d)
-        v = attn.v_proj(x).view(rows, kv_heads, d)
+        q, k, v = lin.qkv(i, x)
+        q, k, v = q.view(rows, heads, d), k.view(rows, kv_heads, d), v.view(rows, kv_heads, d)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -140,7 +192,7 @@ def decode_rows(
             query = q[r].view(1, kv_heads, group, d)
             o = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling)
             out[r] = o.reshape(heads * d)
-        h = h + attn.o_proj(out)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = model.get_output_embeddings()(base.norm(h))  # every row: the shape fixes the sums
+        h = h + lin.o(i, out)
+        h = h + lin.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
+    logits = lin.logits(base.norm(h))  # every row: the shape fixes the sums
     return logits[:n].float()

@@ -70,12 +70,17 @@ def model_fingerprint(model: PreTrainedModel, name: str) -> str:
 class DecoderAdapter(ModelAdapter):
     """Any decoder-only transformers causal LM whose cache is a list of (keys, values) layers."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, name: str) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: Any, name: str, linears: batched.Linears | None = None
+    ) -> None:
+        """``linears``: where batched decode steps run the linear layers (the model's own float32
+        modules when None; ``qlinear.QuantDecode`` for a model converted from GGUF blocks)."""
         cfg = model.config.get_text_config()
         if getattr(model.config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu":
             model.set_attn_implementation(attention.NAME)  # grouped heads without copying the cache
         self.model = model.eval()
         self._lean = batched.supports(model)  # decode steps batched across sequences
+        self.linears = linears
         self.tokenizer = tokenizer
         # image chunk keys by (content key, grid, pixel shape, tenant salt); see chunk_key
         self._image_keys: OrderedDict[tuple[Any, ...], str] = OrderedDict()
@@ -363,7 +368,7 @@ class DecoderAdapter(ModelAdapter):
         cache: one batched pass where ``batched.decode_rows`` runs this model (its rows padded
         so that a row's numbers do not depend on the batch), else the model's forward per row."""
         if self._lean:
-            return batched.decode_rows(self.model, tokens, caches, positions)
+            return batched.decode_rows(self.model, tokens, caches, positions, self.linears)
         rows = zip(tokens, caches, positions, strict=True)
         return torch.stack([self._decode_one(t, c, p) for t, c, p in rows])
 

@@ -150,11 +150,22 @@ def load_adapter(
         adapter.tokenizer = tokenizer
         return adapter
     path = resolve(spec)
-    return _load(str(path), dtype, device)
+    return _load(str(path), dtype, device, _gguf_source(spec))
+
+
+def _gguf_source(spec: str | None) -> str | None:
+    """The GGUF file a model argument was converted from (its blocks serve decode steps)."""
+    if spec is None or spec in (SMOLLM2, "smollm2"):
+        try:
+            return str(smollm2_gguf_path())
+        except ModelNotFoundError:  # converted before, the package since removed
+            return None
+    path = Path(spec).expanduser()
+    return str(path) if path.is_file() and path.suffix == ".gguf" else None
 
 
 @lru_cache(maxsize=4)
-def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
+def _load(path: str, dtype: torch.dtype, device: str, gguf: str | None = None) -> ModelAdapter:
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -185,7 +196,12 @@ def _load(path: str, dtype: torch.dtype, device: str) -> ModelAdapter:
 
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         lm = lm.to(device)  # type: ignore[arg-type]
-        return DecoderAdapter(lm, AutoTokenizer.from_pretrained(path), name=Path(path).name)
+        linears = None
+        if gguf is not None and dtype == torch.float32 and torch.device(device).type == "cpu":
+            from agent.adapters import qlinear
+
+            linears = qlinear.attach(lm, Path(path), Path(gguf))
+        return DecoderAdapter(lm, AutoTokenizer.from_pretrained(path), name=Path(path).name, linears=linears)
     raise UnsupportedModelError(
         f"no adapter for architecture {arch!r}; supported: "
         f"{', '.join(sorted(DECODER_ARCHITECTURES | VISION_ARCHITECTURES))}"
