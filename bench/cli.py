@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.load",
         "1, 8 and 32 streaming clients at once against kamera serve and llama.cpp's server",
     ),
+    "decode": ("bench.decode", "decode tokens/s at 1, 8 and 32 rows: GGUF block products against float32"),
     "serve-ttft": ("bench.serve_ttft", "kamera serve's time to first token: cached prompt, full prefill"),
     "store-share": (
         "bench.store_share",

@@ -44,8 +44,9 @@ BLOCK = 32  # weights per GGUF block
 Q4_1, Q8_0 = 3, 8
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 # Below this many weights times rows a product runs on the calling thread only: handing half of
-# it to another thread costs more than it saves.
-PARALLEL_MIN_WORK = 1 << 18
+# it to a pool thread costs tens of microseconds, more than it saves on a decode step's smaller
+# products (measured with bench/decode.py; at one row only the LM head is split).
+PARALLEL_MIN_WORK = 1 << 22
 # The widest vector loops the kernel may use: 0 the best this CPU has, 1 none with AVX-512,
 # 2 the plain loop only (for checking every path on one machine).
 VECTOR_LIMIT = 0
