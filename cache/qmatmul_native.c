@@ -6,13 +6,14 @@
  *                    d * q_i + m, q_i the low nibble of byte i (i < 16) or the high nibble of
  *                    byte i - 16;
  *   Q8_0 (34 bytes): float16 d, 32 int8 q_i; weight i is d * q_i.
- * Weights are dequantised four rows of W at a time into float32 exactly as gguf-py does (d * q
- * is exact in float32, so one rounding of d * q + m), then every row of x is multiplied with
- * them.
+ * Weights are dequantised to float32 exactly as gguf-py does (d * q is exact in float32, so one
+ * rounding of d * q + m): block by block in registers when x has fewer than MANY rows (each
+ * block used by up to FEW rows of x at once), else TILE rows of W at a time into a buffer that
+ * every row of x then runs over.
  *
  * Row independence: y[r, j] is computed by the same operations in the same order whatever
- * n_rows, r, n_out or the group of rows of W that j was dequantised with: a dot product over k
- * with two accumulators taking alternate runs of lanes, added and summed across lanes in a
+ * n_rows, r, n_out, the loop taken or the rows of W that j was dequantised with: a dot product
+ * over k with two accumulators taking alternate runs of lanes, added and summed across lanes in a
  * fixed order. A row's result is therefore bit for bit the same alone or in any batch (tested in
  * tests/test_qlinear.py).
  *
@@ -338,7 +339,7 @@ int kamera_qmatmul_f32(const uint8_t *w, int kind, int64_t n_out, int64_t k, con
     if (t == NULL) {
         return -2;
     }
-    memset(t, 0, (size_t)(TILE * k) * sizeof(float)); /* rows past n_out multiply as zeros */
+    memset(t, 0, (size_t)(TILE * k) * sizeof(float)); /* rows of a last, partial tile: computed, then dropped */
 #ifdef KAMERA_X86
     const int avx2 = limit < 2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                      __builtin_cpu_supports("f16c");

@@ -251,6 +251,27 @@ def test_the_setting_turns_it_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert qlinear.attach(adapter.model, tmp_path, tmp_path / "missing.gguf") is None
 
 
+def test_blocks_are_read_from_the_gguf_file_once_then_from_the_checkpoint_folder(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    blocks = random_blocks(Q4_1, 8, 64, torch.Generator().manual_seed(0)).numpy()
+    gguf = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(gguf), "llama")
+    writer.add_tensor("blk.0.attn_v.weight", blocks, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))  # not blocks: left out
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    first = qlinear.load_blocks(tmp_path, gguf)
+    assert (tmp_path / qlinear.BLOCKS_FILE).is_file()
+    gguf.unlink()  # the second load does not need it
+    again = qlinear.load_blocks(tmp_path, gguf)
+    for got in (first, again):
+        assert got[1] == {"blk.0.attn_v.weight": str(Q4_1)}
+        assert torch.equal(got[0]["blk.0.attn_v.weight"], torch.from_numpy(blocks))
+
+
 def test_an_unreadable_gguf_keeps_float32(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
