@@ -56,7 +56,7 @@ import torch
 from agent.engine.answer import answer
 from agent.engine.chat import Message, render
 from agent.engine.generation import SamplingParams
-from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
+from agent.engine.prompt_cache import SERVED, PromptCache, PromptCacheConfig, build_prompt
 from agent.modes import REUSE_MODES, ReuseMode
 from agent.tables import make_console
 from agent.tables import print_table as draw
@@ -150,9 +150,18 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         },
         # what the guard's margin scales with; per request with content hits (or a repair given
         # up for them), in replay order
-        "repair_residuals": [x.repair_residual for x in u if x.relocated_tokens or x.repair_residual],
+        "repair_residuals": [x.repair_residual for x in u if _moved(x) or x.repair_residual],
+        # how each request was answered: on exact KV only, on moved KV, on exact KV after a close
+        # call (fallback) or for a repair given up; in replay order, and counted
+        "served": {k: sum(x.served == k for x in u) for k in SERVED},
+        "served_per_request": [x.served for x in u],
         **logit_error_fields(rows),
     }
+
+
+def _moved(usage: Any) -> bool:
+    """Whether the request was first prepared on moved KV (kept, or abandoned for exact KV)."""
+    return bool(usage.relocated_tokens or usage.abandoned_tokens)
 
 
 def gap_error(reference: torch.Tensor, cached: torch.Tensor) -> float:
@@ -169,7 +178,7 @@ def logit_error_fields(rows: Sequence[Row]) -> dict[str, Any]:
     ``margin_scale`` = the largest ``|gap error| / sqrt(residual)``, the scale a guard margin
     ``c * sqrt(residual)`` needs to cover every one of them (``answer.guard_margin``). Read with
     ``--repair-margin 0``, where nothing falls back and every cached logit is repaired KV's."""
-    watched = [r for r in rows if r.cached.usage.relocated_tokens and r.cached.usage.repair_residual > 0]
+    watched = [r for r in rows if _moved(r.cached.usage) and r.cached.usage.repair_residual > 0]
     gaps = [gap_error(r.reference.logits, r.cached.logits) for r in watched]
     scales = [abs(g) / math.sqrt(r.cached.usage.repair_residual) for g, r in zip(gaps, watched, strict=True)]
     return {
@@ -195,7 +204,7 @@ def guard_curve(rows: Sequence[Row]) -> list[dict[str, Any]]:
             if differ is None and len(a) != len(b):
                 differ = min(len(a), len(b))
             close = None
-            if r.cached.usage.relocated_tokens > 0:  # only repaired KV is guarded
+            if _moved(r.cached.usage):  # only repaired KV is guarded
                 close = next((i for i, m in enumerate(r.cached.margins) if m < margin), None)
             falls += close is not None
             same += differ is None or (close is not None and close <= differ)

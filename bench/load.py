@@ -180,7 +180,7 @@ class Endpoint:
         served = ""
         if report:
             parts = [f"{k} {report[k + '_tokens']}" for k in ("prefix", "relocated", "prefilled", "fallback")]
-            served = ", ".join(p for p in parts if not p.endswith(" 0"))
+            served = ", ".join([report.get("served", "?"), *(p for p in parts if not p.endswith(" 0"))])
         return Result(
             sent=t0,
             ttft_s=first if first is not None else latency,

@@ -94,10 +94,14 @@ def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:
     pc, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0)
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
-    assert out.usage.relocated_tokens > 0
     assert out.decoded.escalated_at == 0
-    assert out.usage.fallback_tokens > 0
     assert out.decoded.tokens == reference
+    # the answer rests on the exact pass: its usage, with the moved KV it gave up noted apart
+    u = out.usage
+    assert (u.served, u.relocated_tokens, u.repaired_tokens) == ("fallback", 0, 0)
+    assert u.abandoned_tokens > 0
+    assert u.cached_tokens == u.prefix_tokens
+    assert u.fallback_tokens == u.prefilled_tokens == u.prompt_tokens - u.prefix_tokens
     again = pc.prepare(moved, "", "exact")  # what was committed is exact KV: its prefix is found
     assert again.usage.prefix_tokens > 0.9 * moved.n_tokens - pc.config.block_tokens
 
@@ -106,8 +110,10 @@ def test_without_a_margin_repair_keeps_its_kv(llama: Any) -> None:  # noqa: F811
     pc, moved = _after_first(llama, repair_margin=0.0)
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.relocated_tokens > 0
+    assert out.usage.served == "moved"
+    assert out.usage.cached_tokens == out.usage.prefix_tokens + out.usage.relocated_tokens
     assert out.decoded.escalated_at is None
-    assert out.usage.fallback_tokens == 0
+    assert (out.usage.fallback_tokens, out.usage.abandoned_tokens) == (0, 0)
 
 
 def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> None:  # noqa: F811
@@ -125,7 +131,7 @@ def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> N
     reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
     out = answer(pc, moved, "", "repair", PARAMS)
     assert out.usage.repair_residual > 0.0
-    assert out.usage.repaired_tokens > 0
+    assert out.usage.served == "fallback"
     assert out.decoded.escalated_at == 0
     assert out.usage.fallback_tokens > 0
     assert out.decoded.tokens == reference
@@ -134,6 +140,8 @@ def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> N
     kept = answer(fixed, moved, "", "repair", PARAMS)
     assert kept.usage.repair_residual == out.usage.repair_residual
     assert kept.decoded.escalated_at is None
+    assert kept.usage.served == "moved"
+    assert kept.usage.repaired_tokens > 0
     assert answer(fixed, moved, "", "exact", PARAMS).usage.repair_residual == 0.0
     # a margin that would send every step to exact KV, scaled down by a residual far below its unit
     always, moved = _after_first(llama, repair_margin=1e9, repair_residual_unit=0.0, **no_cap)
@@ -154,6 +162,8 @@ def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> N
     assert u.mode == "repair"
     assert u.repair_residual > pc.config.give_up_residual
     assert (u.relocated_tokens, u.repaired_tokens) == (0, 0)
+    assert u.served == "given_up"
+    assert u.abandoned_tokens > 0
     assert u.fallback_tokens == u.prefilled_tokens > 0
     assert out.decoded.escalated_at is None
     assert out.decoded.tokens == reference
@@ -163,4 +173,6 @@ def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> N
     uncapped, moved = _after_first(
         llama, repair_margin=0.5, repair_residual_unit=1e-30, repair_margin_cap=0.0
     )
-    assert answer(uncapped, moved, "", "repair", PARAMS).usage.relocated_tokens > 0
+    tried = answer(uncapped, moved, "", "repair", PARAMS).usage
+    assert tried.served in ("moved", "fallback")
+    assert tried.relocated_tokens + tried.abandoned_tokens > 0

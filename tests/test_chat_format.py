@@ -54,7 +54,8 @@ def test_llama3_template_cut_into_turns(tokenizer) -> None:
     tokenizer.chat_template = LLAMA3
     tokenizer.bos_token = "<|bos|>"
     fmt = chat_format(tokenizer)
-    assert fmt.system("Be brief.") == "<|bos|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    system = "<|bos|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    assert fmt.system("Be brief.") == system
     assert fmt.user_text("a frame") == "<|start_header_id|>user<|end_header_id|>\n\na frame<|eot_id|>"
     assert fmt.instruction("Why?") == (
         "<|start_header_id|>user<|end_header_id|>\n\nWhy?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"

@@ -78,7 +78,9 @@ def test_sessions_replayed_at_once_answer_as_one_at_a_time(llama: Any) -> None:
             assert a.cached.margins == b.cached.margins  # every decode step's logits, as logprobs
             assert torch.equal(a.cached.logits, b.cached.logits)
             assert a.cached.usage.cached_tokens == b.cached.usage.cached_tokens
-        assert any(r.cached.usage.relocated_tokens for r in together[m]) == (m != "exact")
+        assert [r.cached.usage.served for r in alone[m]] == [r.cached.usage.served for r in together[m]]
+        moved = [r.cached.usage.relocated_tokens + r.cached.usage.abandoned_tokens for r in together[m]]
+        assert any(moved) == (m != "exact")
         assert summarize(alone[m])["greedy_agreement"] == summarize(together[m])["greedy_agreement"]
 
 

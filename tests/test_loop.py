@@ -11,8 +11,7 @@ from _util import greedy, max_rel
 
 from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
-from agent.engine.chat import ByteTokenizer
-from agent.engine.chat import ChatML
+from agent.engine.chat import ByteTokenizer, ChatML
 from agent.loop import Agent, TextObservation
 
 SYSTEM = "You answer from notes."

@@ -103,6 +103,14 @@ def answer(
             final = guard.prepared
             final.cache = None
         pc.commit(final)
-    if final is not prepared:
-        usage = usage._replace(fallback_tokens=final.usage.prefilled_tokens)
+    if final is not prepared:  # the answer rests on the exact pass: its usage, the attempt noted
+        usage = final.usage._replace(
+            mode=usage.mode,
+            served="fallback",
+            fallback_tokens=final.usage.prefilled_tokens,
+            abandoned_tokens=usage.relocated_tokens,
+            repair_residual=usage.repair_residual,
+            vision_encoder_calls=usage.vision_encoder_calls + final.usage.vision_encoder_calls,
+            lost_entries=usage.lost_entries + final.usage.lost_entries,
+        )
     return Answer(decoded, usage, prepared.logits)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -161,7 +161,14 @@ class PromptCacheConfig:
 
 
 
+Served = Literal["prefix", "moved", "fallback", "given_up"]
+SERVED: tuple[Served, ...] = get_args(Served)
+
+
 class PromptUsage(NamedTuple):
+    """What a prompt reused and recomputed, counting only the KV its answer was computed from
+    (after a fallback: the exact pass's). Tokens."""
+
     prompt_tokens: int
     prefix_tokens: int  # reused exactly: the exact prefix, placed bit for bit
     relocated_tokens: int  # reused by content (moved, or after other antecedents)
@@ -178,9 +185,16 @@ class PromptUsage(NamedTuple):
     # the deviation from this context that repair measured and left unrecomputed, the largest
     # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin scales with
     repair_residual: float = 0.0
+    # how the answer was served (``SERVED``): on exact KV only, on moved KV, on exact KV after a
+    # close call moved decoding there, or on exact KV because the repair was given up
+    served: Served = "prefix"
+    # moved KV that was placed and then not answered from (a fallback or a repair given up):
+    # counted nowhere else, since the answer did not rest on it
+    abandoned_tokens: int = 0
 
     @property
     def cached_tokens(self) -> int:
+        """Prompt tokens whose cached KV the answer was computed from."""
         return self.prefix_tokens + self.relocated_tokens
 
 
@@ -325,7 +339,7 @@ class PromptCache:
             exact_units = step.end if exact else exact_units
         if given_up is not None:  # the abandoned attempt's KV let go before the exact one is built
             cache = window = placed = rows = None  # type: ignore[assignment]
-            return self._exact_instead(prompt, tenant_salt, given_up, encoder_before)
+            return self._exact_instead(prompt, tenant_salt, given_up, encoder_before, counts["relocated"])
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
         usage = PromptUsage(
@@ -340,19 +354,22 @@ class PromptCache:
             repaired_tokens=counts["repaired"],
             shared_tokens=counts["shared"],
             repair_residual=residual,
+            served="moved" if counts["relocated"] else "prefix",
         )
         position = int(prompt.pos_off[-1])
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
     def _exact_instead(
-        self, prompt: Prompt, tenant_salt: str, residual: float, encoder_before: int
+        self, prompt: Prompt, tenant_salt: str, residual: float, encoder_before: int, abandoned: int
     ) -> Prepared:
         """A repair given up (its residual beyond ``give_up_residual``): the prompt prepared exact,
-        its usage in repair mode with the exact prefill counted as a fallback and the vision
-        encoder runs of both attempts."""
+        its usage in repair mode with the exact prefill counted as a fallback, the ``abandoned``
+        moved tokens, and the vision encoder runs of both attempts."""
         prepared = self.prepare(prompt, tenant_salt, "exact")
         prepared.usage = prepared.usage._replace(
             mode="repair",
+            served="given_up",
+            abandoned_tokens=abandoned,
             fallback_tokens=prepared.usage.prefilled_tokens,
             repair_residual=residual,
             vision_encoder_calls=encoder_calls(self.adapter) - encoder_before,

@@ -122,7 +122,8 @@ class Metrics:
         self.completion_tokens = Counter("kamera_completion_tokens", "Generated tokens", registry=r)
         self.reused_tokens = Counter(
             "kamera_prompt_tokens_reused",
-            "Chat prompt tokens reused: by exact prefix, or by content (relocated)",
+            "Chat prompt tokens whose cached KV the answer was computed from: by exact prefix, or by "
+            "content (relocated); moved KV abandoned after a fallback is counted as abandoned",
             ["how"],
             registry=r,
         )
@@ -133,6 +134,14 @@ class Metrics:
             "when a close call on repaired KV moved decoding to exact KV, or prefilled exact for a "
             "repair given up (fallback; then the same tokens as recomputed)",
             ["mode", "how"],
+            registry=r,
+        )
+        self.served = Counter(
+            "kamera_requests_served",
+            "Chat requests by how they were answered: on exact KV only (prefix), on moved KV (moved), "
+            "on exact KV after a close call on moved KV (fallback), on exact KV for a repair given "
+            "up before decoding (given_up)",
+            ["mode", "served"],
             registry=r,
         )
         self.prefilled_tokens = Counter(

@@ -228,6 +228,10 @@ class CacheReport(BaseModel):
     # prefilled again when a close call on repaired KV moved decoding to exact KV (a repair given
     # up: the exact prefill, the same tokens as prefilled_tokens)
     fallback_tokens: int = 0
+    # how the answer was served: on exact KV only (prefix), on moved KV (moved), on exact KV after
+    # a close call on moved KV (fallback), on exact KV for a repair given up before decoding
+    served: Literal["prefix", "moved", "fallback", "given_up"] = "prefix"
+    abandoned_tokens: int = 0  # moved KV placed, then not answered from (fallback, given up)
     repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
     queue_ms: float
     ttft_ms: float

@@ -146,6 +146,8 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
     metrics.completion_tokens.inc(len(outcome.decoded.tokens))
     metrics.reused_tokens.labels("prefix").inc(u.prefix_tokens)
     metrics.reused_tokens.labels("content").inc(u.relocated_tokens)
+    metrics.reused_tokens.labels("abandoned").inc(u.abandoned_tokens)
+    metrics.served.labels(u.mode, u.served).inc()
     metrics.reuse.labels(u.mode, "exact").inc(u.prefix_tokens)
     metrics.reuse.labels(u.mode, "repaired").inc(u.repaired_tokens)
     metrics.reuse.labels(u.mode, "reused").inc(u.relocated_tokens - u.repaired_tokens)
@@ -170,6 +172,8 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
         vision_encoder_calls=u.vision_encoder_calls,
         shared_tokens=u.shared_tokens,
         fallback_tokens=u.fallback_tokens,
+        served=u.served,
+        abandoned_tokens=u.abandoned_tokens,
         repair_residual=u.repair_residual,
         queue_ms=round(1000 * (started - arrival), 3),
         ttft_ms=round(1000 * outcome.ttft_s, 3),
