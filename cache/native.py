@@ -77,33 +77,38 @@ def _compiler() -> list[str] | None:
 
 
 def build(folder: Path | None = None) -> Path:
-    """The shared object for this machine, compiled now unless an identical build is there.
+    """The rotation kernel's shared object for this machine (see :func:`compile_shared`)."""
+    return compile_shared(SOURCE, "rope", ["-O3", "-std=c11", "-shared", "-fPIC"], folder)
+
+
+def compile_shared(source: Path, name: str, flags: Sequence[str], folder: Path | None = None) -> Path:
+    """``source`` compiled with ``flags`` into ``<folder or cache_dir()>/kernels/<name>-<hash>.so``,
+    named by a hash of the source, the compiler, the flags and the machine; compiled now unless
+    an identical build is there, written atomically (a temporary file, then a rename).
 
     Raises :class:`NativeKernelError` (with the compiler's message) when it cannot be built.
     """
     cc = _compiler()
     if cc is None:
         raise NativeKernelError("no C compiler found (set CC, or install gcc or clang)")
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC"]
-    source = SOURCE.read_bytes()
-    parts = [source, *(s.encode() for s in cc + flags), platform.machine().encode()]
+    parts = [source.read_bytes(), *(s.encode() for s in [*cc, *flags]), platform.machine().encode()]
     digest = digest_key("kernel", parts)
     folder = (folder or cache_dir()) / "kernels"
-    target = folder / f"rope-{digest.hex[:16]}.so"
+    target = folder / f"{name}-{digest.hex[:16]}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".rope-", suffix=".so", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run(
-            [*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+            [*cc, *flags, str(source), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
         )
         if done.returncode != 0:
             raise NativeKernelError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeKernelError(f"building {SOURCE.name} failed: {exc}") from exc
+        raise NativeKernelError(f"building {source.name} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

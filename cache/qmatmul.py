@@ -22,9 +22,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Lock
@@ -33,8 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from cache.keys import digest_key
-from cache.native import NativeKernelError, _compiler, cache_dir
+from cache.native import NativeKernelError, compile_shared
 
 log = logging.getLogger(__name__)
 
@@ -67,36 +63,10 @@ class QWeight(NamedTuple):
 
 
 def build(folder: Path | None = None) -> Path:
-    """The shared object for this machine, compiled now unless an identical build is there.
-
-    Raises :class:`NativeKernelError` (with the compiler's message) when it cannot be built.
-    """
-    cc = _compiler()
-    if cc is None:
-        raise NativeKernelError("no C compiler found (set CC, or install gcc or clang)")
+    """The kernel's shared object for this machine (``cache.native.compile_shared``); no
+    contracted multiply-adds, so each block dequantises with one rounding as the loader's does."""
     flags = ["-O3", "-std=c11", "-ffp-contract=off", "-shared", "-fPIC"]
-    parts = [SOURCE.read_bytes(), *(s.encode() for s in cc + flags), platform.machine().encode()]
-    digest = digest_key("kernel", parts)
-    folder = (folder or cache_dir()) / "kernels"
-    target = folder / f"qmatmul-{digest.hex[:16]}.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qmatmul-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [*cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
-        )
-        if done.returncode != 0:
-            raise NativeKernelError(f"{' '.join(cc)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeKernelError(f"building {SOURCE.name} failed: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return compile_shared(SOURCE, "qmatmul", flags, folder)
 
 
 class _Loaded:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from agent.adapters import batched, qlinear, tiny
-from cache import qmatmul
+from cache import native, qmatmul
 from cache.native import NativeKernelError
 from cache.qmatmul import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, QWeight
 from tests._util import full_prefill, max_rel
@@ -233,7 +233,7 @@ def test_without_a_compiler_the_float32_path_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(qmatmul, "_STATE", qmatmul._Loaded())
-    monkeypatch.setattr(qmatmul, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
     with caplog.at_level(logging.WARNING, logger="cache.qmatmul"):
         assert qmatmul.library() is None
         assert qmatmul.library() is None
