@@ -22,6 +22,16 @@ commits: a full prefill). Per policy and mode:
   of it);
 - ``ttft_ratio``: full prefill's time to first token over the cached one's, per request with
   hits, measured side by side (median and mean), in the same process and thread count;
+  ``e2e_ratio_median``: the same for the end-to-end time (from the call until the answer is
+  returned: its last token and the commit a whole completion waits for);
+- ``one_pass_ttft_ratio_median`` / ``one_pass_e2e_ratio_median``: the same two ratios with the
+  fastest full prefill the engine can run as the reference (:func:`one_pass`: the whole prompt in
+  one forward pass into a fresh cache, nothing looked up or stored, then the same greedy decode).
+  The full prefill above runs in the prompt cache's 128-token segments, so that its KV can be
+  stored exactly, and costs more per token; ``one_pass_mismatches`` counts the requests whose
+  one-pass tokens differ from the segmented reference's (its last bits differ);
+- ``per_request``: each request's ``served`` (see ``PromptUsage.served``) beside its latencies,
+  cached, segmented and one-pass, in replay order;
 - ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
   exact KV (``agent/engine/answer.py``), and the tokens prefilled again for it;
 - ``guard_curve`` (with ``--repair-margin 0``: the guard off, decoding stays on repaired KV):
@@ -46,6 +56,7 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +66,8 @@ import torch
 
 from agent.engine.answer import answer
 from agent.engine.chat import Message, render
-from agent.engine.generation import SamplingParams
+from agent.engine.generation import Decoded, SamplingParams, decode
+from agent.engine.prompt import Prompt
 from agent.engine.prompt_cache import SERVED, PromptCache, PromptCacheConfig, build_prompt
 from agent.modes import REUSE_MODES, ReuseMode
 from agent.tables import make_console
@@ -64,6 +76,7 @@ from bench.agreement import answer_fields, ttft_fields
 from bench.traces_data import load_sessions
 from bench.traces_policies import DEFAULT_SEED, get_policy
 from bench.traces_tokens import message_body
+from cache.arena import KVArena
 from cache.store import StoreConfig, TieredStore
 
 DEFAULT_POLICIES = ("append", "mask-observations-2", "window-3", "dynamic-system", "rerank")
@@ -74,8 +87,17 @@ class Outcome(NamedTuple):
     tokens: list[int]
     logits: torch.Tensor  # first token's, [vocab]
     ttft_s: float
-    usage: Any
+    total_s: float  # from the call until the answer is returned (its last token, its commit)
+    usage: Any  # PromptUsage; None for the one-pass full prefill, which uses no prompt cache
     margins: list[float]  # per generated token: the gap between its best two logits
+
+
+class Refs(NamedTuple):
+    """A request's two full prefills: the prompt cache's segmented exact path with nothing to
+    reuse (the reference answers are checked against), and the one-pass one (:func:`one_pass`)."""
+
+    segmented: Outcome
+    one_pass: Outcome
 
 
 class Row(NamedTuple):
@@ -85,6 +107,7 @@ class Row(NamedTuple):
     cached: Outcome
     reference: Outcome
     seen_tokens: int = 0  # prompt tokens outside messages new to the session (0 on its first request)
+    one_pass: Outcome | None = None  # the one-pass full prefill (None: not run)
 
 
 def seen_tokens(tokenizer: Any, prompt_tokens: int, messages: Sequence[Message], seen: set[Any]) -> int:
@@ -110,9 +133,32 @@ def to_messages(request: Sequence[dict[str, Any]]) -> list[Message]:
 def run(pc: PromptCache, prompt: Any, salt: str, mode: ReuseMode, params: SamplingParams) -> Outcome:
     t0 = time.perf_counter()
     out = answer(pc, prompt, salt, mode, params)
+    total = time.perf_counter() - t0
     ttft = out.decoded.first_token_at - t0
-    margins = [lp.top[0][1] - lp.top[1][1] for lp in out.decoded.logprobs if len(lp.top) > 1]
-    return Outcome(out.decoded.tokens, out.logits, ttft, out.usage, margins)
+    return Outcome(out.decoded.tokens, out.logits, ttft, total, out.usage, _margins(out.decoded))
+
+
+def one_pass(adapter: Any, prompt: Prompt, params: SamplingParams) -> Outcome:
+    """The fastest full prefill the engine runs: the whole prompt in one forward pass (its images
+    in the same pass) into a fresh arena cache sized for the answer, only the last logits
+    computed and no KV taken out, then decoded greedily as a chat completion decodes. No prompt
+    cache: nothing is looked up or stored."""
+    t0 = time.perf_counter()
+    d = adapter.arena_dims
+    arena = KVArena(d.n_layers, d.k, d.v, prompt.n_tokens + params.max_tokens, d.dtype, d.device)
+    cache = adapter.new_cache(arena)
+    *before, last = prompt.inputs_between(0, len(prompt.units))
+    if before:
+        _, logits = adapter.prefill_and_ask(before, last, cache, 0)
+    else:
+        logits = adapter.next_logits(last, cache, 0)
+    decoded = decode(adapter, logits, cache, int(prompt.pos_off[-1]), params, threading.Event())
+    total = time.perf_counter() - t0
+    return Outcome(decoded.tokens, logits, decoded.first_token_at - t0, total, None, _margins(decoded))
+
+
+def _margins(decoded: Decoded) -> list[float]:
+    return [lp.top[0][1] - lp.top[1][1] for lp in decoded.logprobs if len(lp.top) > 1]
 
 
 def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
@@ -143,6 +189,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
             "seen_before": round(sum(r.seen_tokens for r in rows) / total, 4),
         },
         **ttft_fields(hit),
+        **latency_fields(rows, hit),
         "lost_entries": sum(x.lost_entries for x in u),
         "fallbacks": {
             "requests": sum(x.fallback_tokens > 0 for x in u),
@@ -157,6 +204,50 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         "served_per_request": [x.served for x in u],
         **logit_error_fields(rows),
     }
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def latency_fields(rows: Sequence[Row], hit: Sequence[Row]) -> dict[str, Any]:
+    """End-to-end and one-pass ratios, medians over the requests with hits (as the TTFT ratio):
+    ``e2e_ratio_median`` (segmented full prefill over cached), ``one_pass_ttft_ratio_median`` and
+    ``one_pass_e2e_ratio_median`` (one-pass full prefill over cached); ``one_pass_mismatches``:
+    requests whose one-pass greedy tokens differ from the segmented reference's; ``per_request``:
+    each request's ``served`` beside its latencies (seconds), in replay order."""
+    checked = [(r.one_pass, r.reference) for r in rows if r.one_pass is not None]
+    timed = [(r.one_pass, r.cached) for r in hit if r.one_pass is not None and r.cached.ttft_s > 0]
+    return {
+        "e2e_ratio_median": _median(
+            [r.reference.total_s / r.cached.total_s for r in hit if r.cached.total_s > 0]
+        ),
+        "one_pass_ttft_ratio_median": _median([one.ttft_s / cached.ttft_s for one, cached in timed]),
+        "one_pass_e2e_ratio_median": _median([one.total_s / cached.total_s for one, cached in timed]),
+        "one_pass_checked": len(checked),
+        "one_pass_mismatches": sum(one.tokens != ref.tokens for one, ref in checked),
+        "per_request": [_request_fields(r) for r in rows],
+    }
+
+
+def _request_fields(r: Row) -> dict[str, Any]:
+    def ms(x: float) -> float:
+        return round(x, 4)
+
+    out = {
+        "session": r.session,
+        "step": r.step,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached.usage.cached_tokens,
+        "served": r.cached.usage.served,
+        "ttft_s": ms(r.cached.ttft_s),
+        "total_s": ms(r.cached.total_s),
+        "segmented_ttft_s": ms(r.reference.ttft_s),
+        "segmented_total_s": ms(r.reference.total_s),
+    }
+    if r.one_pass is not None:
+        out |= {"one_pass_ttft_s": ms(r.one_pass.ttft_s), "one_pass_total_s": ms(r.one_pass.total_s)}
+    return out
 
 
 def _moved(usage: Any) -> bool:
@@ -228,10 +319,11 @@ def replay(
     seed: int = DEFAULT_SEED,
     concurrency: int = 1,
 ) -> tuple[dict[str, list[Row]], list[Any]]:
-    """Every session's requests through each mode's prompt cache, beside a full prefill of each.
-    ``concurrency`` above 1: the sessions of a mode run that many at once through the server's
-    scheduler (their decode steps batched, their prefills interleaved), each session's requests
-    still one after another; the full prefills run first, one at a time."""
+    """Every session's requests through each mode's prompt cache, beside two full prefills of each
+    (segmented and one-pass, :class:`Refs`). ``concurrency`` above 1: the sessions of a mode run
+    that many at once through the server's scheduler (their decode steps batched, their prefills
+    interleaved), each session's requests still one after another; the full prefills run first,
+    one at a time."""
     policy = get_policy(policy_name, seed)
     caches = {
         m: PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=store_bytes)), config)
@@ -240,7 +332,7 @@ def replay(
     reference = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=1 << 20)), config)
     rows: dict[str, list[Row]] = {m: [] for m in modes}
     peer_rows: list[Any] = []
-    work: list[tuple[Any, int, Any, Any, int, Outcome | None]] = []  # session step pieces prompt seen ref
+    work: list[tuple[Any, int, Any, Any, int, Refs | None]] = []  # session step pieces prompt seen refs
     for s in sessions:
         seen: set[tuple[str, str]] = set()
         for step, request in enumerate(s.requests[:max_requests]):
@@ -252,14 +344,17 @@ def replay(
             n_seen = seen_tokens(adapter.tokenizer, prompt.n_tokens, messages, seen)
             ref = None
             if modes:
-                ref = run(reference, prompt, f"{s.id}/{step}", "exact", params)
+                segmented = run(reference, prompt, f"{s.id}/{step}", "exact", params)
+                ref = Refs(segmented, one_pass(adapter, prompt, params))
                 reference.reset()  # never reused: every reference is a full prefill
             work.append((s, step, pieces, prompt, n_seen, ref))
             if concurrency > 1:
                 continue
-            for m in modes:
-                cached = run(caches[m], build_prompt(adapter, pieces, caches[m].image_unit), s.id, m, params)
-                _keep(rows[m], policy_name, m, s, step, prompt, cached, ref, n_seen, log)
+            if ref is not None:  # there are modes to replay
+                for m in modes:
+                    pc = caches[m]
+                    cached = run(pc, build_prompt(adapter, pieces, pc.image_unit), s.id, m, params)
+                    _keep(rows[m], policy_name, m, s, step, prompt, cached, ref, n_seen, log)
             if peer is not None:
                 got = peer.request(s.id, step, prompt.units.tolist(), params.max_tokens)
                 peer_rows.append(got)
@@ -278,14 +373,17 @@ def replay(
 
 
 def _keep(
-    rows: list[Row], policy: str, mode: str, s: Any, step: int, prompt: Any, cached: Outcome, ref: Any,
+    rows: list[Row], policy: str, mode: str, s: Any, step: int, prompt: Any, cached: Outcome, ref: Refs,
     n_seen: int, log: Any,
 ) -> None:  # fmt: skip
-    rows.append(Row(s.id, step, prompt.n_tokens, cached, ref, n_seen))
+    rows.append(Row(s.id, step, prompt.n_tokens, cached, ref.segmented, n_seen, ref.one_pass))
     log(
         f"{policy:>20} {mode:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
-        f"cached {cached.usage.cached_tokens:>5} same {cached.tokens == ref.tokens!s:>5} "
-        f"ttft {ref.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x"
+        f"cached {cached.usage.cached_tokens:>5} {cached.usage.served:>8} "
+        f"same {cached.tokens == ref.segmented.tokens!s:>5} "
+        f"ttft {ref.segmented.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
+        f"1-pass ttft {ref.one_pass.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
+        f"e2e {ref.one_pass.total_s / max(cached.total_s, 1e-9):5.2f}x"
         f" residual {cached.usage.repair_residual:.1e}"
         f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
     )
@@ -538,6 +636,8 @@ def print_table(report: dict[str, Any]) -> None:
         "repair",
         "seen before",
         "TTFT x",
+        "1-pass TTFT x",
+        "1-pass e2e x",
     ):
         t.add_column(col, justify="right")
     for policy, by_mode in report["policies"].items():
@@ -556,5 +656,7 @@ def print_table(report: dict[str, Any]) -> None:
                 str(sh["repair_recomputed"]),
                 str(sh.get("seen_before")),  # not on the peer's rows
                 str(r["ttft_ratio_median"]),
+                str(r.get("one_pass_ttft_ratio_median")),  # not on the peer's rows
+                str(r.get("one_pass_e2e_ratio_median")),
             )
     draw(make_console(), t)

@@ -1,5 +1,6 @@
 """``kamera bench consistency`` on a tiny random model: the replay through the server's prompt
-cache, the summary's shares (the seen-before ceiling among them) and exact mode's agreement."""
+cache, the summary's shares (the seen-before ceiling among them), exact mode's agreement, and
+the latencies against both full prefills (segmented and one-pass)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from agent.byte_tokenizer import ByteTokenizer
 from agent.engine.chat import Message
 from agent.engine.generation import SamplingParams
 from agent.engine.prompt_cache import PromptCacheConfig
-from bench.consistency import gap_error, replay, seen_tokens, summarize
+from bench.consistency import Outcome, Row, gap_error, one_pass, replay, seen_tokens, summarize
 from bench.traces_data import Session
 
 DOC = " ".join(f"fact {i} is {i * 7}." for i in range(40))
@@ -115,15 +116,14 @@ def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> N
     from agent.engine.answer import guard_margin
     from agent.engine.generation import decode
     from agent.engine.prompt_cache import PromptUsage
-    from bench.consistency import Outcome, Row
 
     def row(ref: list[float], cached: list[float], relocated: int, residual: float, fallback: int = 0) -> Row:
         usage = PromptUsage(
             100, 0, relocated, 100 - relocated, relocated, 0, 0, "repair",
             repair_residual=residual, fallback_tokens=fallback,
         )  # fmt: skip
-        reference = Outcome([int(torch.tensor(ref).argmax())], torch.tensor(ref), 1.0, usage, [])
-        return Row("s", 0, 100, Outcome([], torch.tensor(cached), 1.0, usage, []), reference)
+        reference = Outcome([int(torch.tensor(ref).argmax())], torch.tensor(ref), 1.0, 1.0, usage, [])
+        return Row("s", 0, 100, Outcome([], torch.tensor(cached), 1.0, 1.0, usage, []), reference)
 
     flip = row([2.0, 1.9, 0.0, -1.0], [1.0, 2.4, 0.0, -1.0], 40, 0.09)  # best two moved -1.0, +0.5
     clear = row([0.0, 4.0, 1.0, 0.0], [0.0, 4.2, 1.4, 0.0], 40, 0.04)  # +0.2, +0.4
@@ -204,3 +204,113 @@ def test_gap_errors_are_read_against_an_independent_full_prefill(llama: Any) -> 
     assert report["gap_errors"] == pytest.approx(watched, abs=1e-5)
     assert report["margin_scale"] > 0
     assert summarize(rows[:1])["margin_scale"] is None  # the first request moved nothing
+
+
+class _Counted:
+    """Calls of an adapter's forward entry points, counted on the instance, with each one's tokens."""
+
+    NAMES = ("prefill", "prefill_many", "prefill_and_ask", "next_logits")
+
+    def __init__(self, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[str, list[int]] = {n: [] for n in self.NAMES}
+        for name in self.NAMES:
+            real = getattr(adapter, name)
+
+            def counted(chunk: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+                n = chunk.n_tokens if hasattr(chunk, "n_tokens") else sum(c.n_tokens for c in chunk)
+                self.calls[_name].append(n)
+                return _real(chunk, *args, **kwargs)
+
+            monkeypatch.setattr(adapter, name, counted)
+
+
+def _prompt(llama: Any, step: int) -> Any:
+    from agent.engine.chat import render
+    from agent.engine.prompt_cache import build_prompt
+    from bench.consistency import to_messages
+
+    pieces = render(llama.tokenizer, to_messages(_session().requests[step]))
+    return build_prompt(llama, pieces, lambda key: 0)
+
+
+def test_one_pass_prefills_the_whole_prompt_in_one_forward_pass(llama: Any, monkeypatch: Any) -> None:
+    """The one-pass reference runs the prompt through the model once (no segments, no KV taken
+    out), then decodes greedily as a completion does: its tokens and logits are those of the
+    segmented full prefill up to the last bits of a differently shaped pass."""
+    from _util import full_prefill, greedy, max_rel
+
+    prompt = _prompt(llama, 2)
+    assert prompt.n_tokens > 3 * 64  # the segmented path would take four passes at 64
+    params = SamplingParams(max_tokens=6, logprobs=True, top_logprobs=2)
+    counted = _Counted(llama, monkeypatch)
+    with torch.inference_mode():
+        out = one_pass(llama, prompt, params)
+    assert counted.calls["next_logits"] == [prompt.n_tokens]
+    assert counted.calls["prefill"] == counted.calls["prefill_many"] == counted.calls["prefill_and_ask"] == []
+    assert out.usage is None
+    assert 0 < out.ttft_s <= out.total_s
+    assert len(out.margins) == len(out.tokens)
+    monkeypatch.undo()
+    cache, logits, position = full_prefill(llama, prompt.units.tolist(), 64)
+    tokens, _ = greedy(llama, logits, cache, position, params.max_tokens)
+    assert max_rel(out.logits, logits) < 1e-4
+    assert out.tokens == tokens
+
+
+def test_replay_times_every_request_against_both_full_prefills(llama: Any, monkeypatch: Any) -> None:
+    """Each request is run once more as a one-pass full prefill, beside the segmented reference;
+    rows carry both end to end, and the summary reads its ratios, mismatches and per-request
+    latencies from them."""
+    counted = _Counted(llama, monkeypatch)
+    rows = _replay(llama, "append", ["exact", "repair"], PromptCacheConfig(block_tokens=64))
+    # one forward pass of the whole prompt per request, shared by both modes' rows
+    assert counted.calls["next_logits"] == [r.prompt_tokens for r in rows["exact"]]
+    for mode in ("exact", "repair"):
+        report = summarize(rows[mode])
+        for r in rows[mode]:
+            assert r.one_pass is not None
+            for o in (r.cached, r.reference, r.one_pass):
+                assert 0 < o.ttft_s <= o.total_s
+        assert report["one_pass_checked"] == 3
+        assert report["one_pass_mismatches"] == sum(
+            r.one_pass.tokens != r.reference.tokens for r in rows[mode]
+        )
+        assert [p["served"] for p in report["per_request"]] == report["served_per_request"]
+        for p, r in zip(report["per_request"], rows[mode], strict=True):
+            assert (p["session"], p["step"], p["prompt_tokens"]) == (r.session, r.step, r.prompt_tokens)
+            assert p["one_pass_total_s"] == round(r.one_pass.total_s, 4)
+            assert p["segmented_ttft_s"] == round(r.reference.ttft_s, 4)
+        for key in ("e2e_ratio_median", "one_pass_ttft_ratio_median", "one_pass_e2e_ratio_median"):
+            assert report[key] > 0
+
+
+def test_latency_ratios_are_medians_over_requests_with_hits() -> None:
+    """Ratios worked out by hand: full prefill (segmented or one-pass) over cached, TTFT and end
+    to end, medians over the requests that reused anything; a one-pass answer that differs from
+    the segmented one is counted, not hidden."""
+    from agent.engine.prompt_cache import PromptUsage
+
+    def outcome(tokens: list[int], ttft: float, total: float, usage: Any = None) -> Outcome:
+        return Outcome(tokens, torch.zeros(4), ttft, total, usage, [])
+
+    Times = tuple[float, float]  # ttft, total
+
+    def row(cached_tokens: int, cached: Times, ref: Times, one: Times, one_tokens: list[int]) -> Row:
+        usage = PromptUsage(100, cached_tokens, 0, 100 - cached_tokens, 0, 0, 0, "exact")
+        return Row(
+            "s", 0, 100, outcome([1, 2], *cached, usage), outcome([1, 2], *ref), 0, outcome(one_tokens, *one)
+        )
+
+    rows = [
+        row(0, (1.0, 2.0), (1.0, 2.0), (0.5, 1.5), [1, 2]),  # no hit: in no ratio, still checked
+        row(80, (0.1, 1.0), (0.8, 1.6), (0.4, 1.2), [1, 2]),  # 8, 1.6; one-pass 4, 1.2
+        row(80, (0.2, 1.0), (1.0, 2.0), (0.6, 1.5), [1, 3]),  # 5, 2.0; one-pass 3, 1.5
+        row(80, (0.5, 2.0), (1.0, 2.0), (1.0, 1.0), [1, 2]),  # 2, 1.0; one-pass 2, 0.5
+    ]
+    report = summarize(rows)
+    assert report["ttft_ratio_median"] == pytest.approx(5.0)
+    assert report["e2e_ratio_median"] == pytest.approx(1.6)
+    assert report["one_pass_ttft_ratio_median"] == pytest.approx(3.0)
+    assert report["one_pass_e2e_ratio_median"] == pytest.approx(1.2)
+    assert (report["one_pass_checked"], report["one_pass_mismatches"]) == (4, 1)
+    assert [p["total_s"] for p in report["per_request"]] == [2.0, 1.0, 1.0, 2.0]
