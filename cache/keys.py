@@ -94,7 +94,10 @@ class Namespace:
 
     model: fingerprint of the weights (e.g. a checkpoint hash); dtype: KV dtype name;
     layout_version: version of the stored KV layout; tenant_salt: isolates tenants (keys of
-    different salts never coincide); adapter: LoRA/adapter name, "" for none.
+    different salts never coincide); adapter: LoRA/adapter name, "" for none; numerics: what the
+    KV's bits depend on besides weights and tokens (``cache.numerics.numerics``: torch version,
+    BLAS/LAPACK, CPU capability, threads, device, attention implementation), so an exact hit
+    written by another process was computed as this one computes it; "" for KV of no model.
     """
 
     model: str
@@ -102,6 +105,7 @@ class Namespace:
     layout_version: int = 1
     tenant_salt: str = ""
     adapter: str = ""
+    numerics: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -120,6 +124,7 @@ class Namespace:
                 ("layout_version", self.layout_version),
                 ("tenant_salt", self.tenant_salt),
                 ("adapter", self.adapter),
+                ("numerics", self.numerics),
             ]
         )
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from itertools import pairwise
@@ -20,6 +21,7 @@ from cache.keys import (
     digest_key,
     encode_value,
     image_key,
+    span_key,
     token_key,
     token_keys,
 )
@@ -47,6 +49,7 @@ def framed_token_input(tokens: list[int], hash_name: str) -> bytes:
         ("layout_version", 1),
         ("tenant_salt", ""),
         ("adapter", ""),
+        ("numerics", ""),
     ]
     ns = b"".join(encode_value(name) + encode_value(value) for name, value in fields)
     return (
@@ -153,12 +156,21 @@ def test_namespace_fields_each_change_the_key() -> None:
         Namespace(NS.model, NS.dtype, layout_version=2),
         Namespace(NS.model, NS.dtype, tenant_salt="t"),
         Namespace(NS.model, NS.dtype, adapter="lora-a"),
+        Namespace(NS.model, NS.dtype, numerics="torch=2.5.1,threads=1"),
     ]
     keys = {token_key(ns, [9, 9]) for ns in variants}
-    assert len(keys) == 5
+    assert len(keys) == 6
     assert base not in keys
     with pytest.raises(ValueError, match="model"):
         Namespace("", "bf16")
+
+
+def test_namespaces_differing_only_in_numerics_share_no_key() -> None:
+    """The same weights, dtype, tenant and content under two thread counts: every kind of key
+    differs, so KV computed under one is never found under the other."""
+    one, two = (dataclasses.replace(NS, numerics=f"torch=2.5.1,threads={n},device=cpu") for n in (1, 2))
+    assert token_key(one, [1, 2, 3]) != token_key(two, [1, 2, 3])
+    assert span_key(one, [np.array([1, 2, 3])]) != span_key(two, [np.array([1, 2, 3])])
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

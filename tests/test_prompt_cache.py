@@ -123,6 +123,35 @@ def test_the_exact_prefix_is_found_by_its_keys_without_the_indexes(llama: Any) -
     assert later.prepare(prompt, "another tenant").usage.cached_tokens == 0
 
 
+def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(
+    llama: Any, tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Three processes on one disk store directory: the first commits a prompt under two threads'
+    numerics; one under other numerics (a thread count of 1) finds none of its KV, neither as an
+    exact prefix nor by content, while one under the first's numerics reuses its exact prefix."""
+    from cache.numerics import numerics
+
+    def process(threads: int) -> PromptCache:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        store = TieredStore.from_config(
+            StoreConfig(host_bytes=64 << 20, disk_bytes=64 << 20, disk_path=tmp_path, write_through=True)
+        )
+        pc = PromptCache(llama, store, CONFIG)
+        assert pc.namespace("").numerics == numerics(llama.device, llama.attention)
+        assert f"threads={threads}," in pc.namespace("").numerics
+        return pc
+
+    first = process(2)
+    prompt = prompt_of(first, chat("Numerics"))
+    first.commit(first.prepare(prompt))
+    first.store.close()  # every entry on disk
+    other = process(1).prepare(prompt, mode="repair")
+    assert other.usage.cached_tokens == 0
+    assert other.usage.prefilled_tokens == prompt.n_tokens
+    same = process(2).prepare(prompt, mode="exact")
+    assert same.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
+
+
 def test_moved_content_is_found_by_its_alias_without_the_indexes(llama: Any) -> None:
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))

@@ -80,6 +80,7 @@ def test_health_and_models(base_url: str, client: Any) -> None:
     r = httpx.get(base_url + "/health")
     assert r.status_code == 200
     assert r.json()["status"] == "ok"
+    assert r.json()["numerics"].startswith("torch=")  # what an exact hit must have been computed under
     assert [m.id for m in client.models.list().data] == ["tiny:qwen2.5-vl"]
 
 

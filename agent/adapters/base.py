@@ -23,7 +23,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from cache.arena import KVArena
+from cache.keys import Namespace
 from cache.layout import ChunkKV, Family
+from cache.numerics import numerics
 from cache.rope import RopeSpec
 from cache.window import ArenaDims
 
@@ -253,6 +255,22 @@ class ModelAdapter(ABC):
         model over ``chunks`` from position 0, positions and vision features computed the
         model's own way (images encoded afresh, the feature cache untouched): the reference a
         chunked prefill must equal."""
+
+    @property
+    @abstractmethod
+    def attention(self) -> str:
+        """The attention implementation the model runs (a part of its numerics)."""
+
+    def namespace(self, tenant_salt: str = "") -> Namespace:
+        """What must match, besides content, for KV cached under this model to be reused: its
+        weights, the KV dtype, a tenant's salt, and the numerics this process computes KV under
+        now (``cache.numerics``: the thread count is read at each call)."""
+        return Namespace(
+            model=self.info.fingerprint,
+            dtype=str(self.info.dtype).removeprefix("torch."),
+            tenant_salt=tenant_salt,
+            numerics=numerics(self.device, self.attention),
+        )
 
     @abstractmethod
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:

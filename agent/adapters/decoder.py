@@ -33,7 +33,7 @@ from agent.adapters.base import (
 )
 from agent.adapters.cache_layers import ArenaLayer, RowWriter, hf_layers
 from cache.arena import KVArena
-from cache.keys import Namespace, digest_key, image_key, token_key
+from cache.keys import digest_key, image_key, token_key
 from cache.layout import ChunkKV, Family
 from cache.rope import RopeSpec, unrotate
 from cache.window import ArenaDims
@@ -186,12 +186,9 @@ class DecoderAdapter(ModelAdapter):
     def cache_length(self, cache: ModelCache) -> int:
         return int(cache.get_seq_length())
 
-    def namespace(self, tenant_salt: str = "") -> Namespace:
-        return Namespace(
-            model=self.info.fingerprint,
-            dtype=str(self.info.dtype).removeprefix("torch."),
-            tenant_salt=tenant_salt,
-        )
+    @property
+    def attention(self) -> str:
+        return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
 
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
         """Content key of a chunk under this model's namespace (and a tenant's salt).

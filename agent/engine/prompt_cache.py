@@ -246,10 +246,8 @@ class PromptCache:
         self._image_ids.clear()
 
     def namespace(self, tenant_salt: str) -> Namespace:
-        info = self.adapter.info
-        return Namespace(
-            model=info.fingerprint, dtype=str(info.dtype).removeprefix("torch."), tenant_salt=tenant_salt
-        )
+        """The adapter's namespace (weights, dtype, numerics) under a tenant's salt."""
+        return self.adapter.namespace(tenant_salt)
 
     def planner(self, tenant_salt: str) -> Planner:
         planner = self._planners.get(tenant_salt)

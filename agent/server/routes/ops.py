@@ -1,7 +1,9 @@
 """``GET /v1/models``, ``GET /health`` and ``GET /metrics``.
 
 ``/health`` is 200 while the model is up and 503 after a failed warm-up or while draining; it
-shows no paths, and a shared tier (Redis) that is away shows in it without making it 503.
+shows no paths, and a shared tier (Redis) that is away shows in it without making it 503. It
+names the numerics this process computes KV under (``cache.numerics``): replicas sharing a store
+reuse each other's exact KV only where theirs are the same.
 ``/metrics`` is Prometheus text, from the app's own registry.
 
 Not here: who may call them (``auth.py``: ``/health`` is always open, ``/metrics`` unless keys
@@ -36,6 +38,7 @@ def router(state: ServerState) -> APIRouter:
             "status": "ok" if ok else "unavailable",
             "reason": reason,
             "model": runtime.config.name,
+            "numerics": runtime.adapter.namespace().numerics,  # what exact hits must share (cache.numerics)
             "sessions": len(runtime.sessions),
             "queue": runtime.worker.pending,
         }
