@@ -51,7 +51,7 @@ class Keeper:
         re-prefill of the window does; returns the cache and the next token's position."""
         cache, start = self.adapter.empty_cache(), 0
         for chunk in chunks:
-            start += self.adapter.prefill(chunk, cache, start).kv.extent
+            start += self.adapter.prefill(chunk, cache, start, last_only=True).kv.extent
             self.counters.fresh_tokens += chunk.n_tokens
         self.counters.fresh_prefills += 1
         return cache, start

@@ -226,7 +226,7 @@ class ModelAdapter(ABC):
         each one's KV, pre-RoPE, relative to its own start. Adapters may do it in one pass."""
         out = []
         for chunk in chunks:
-            kv = self.prefill(chunk, cache, start).kv
+            kv = self.prefill(chunk, cache, start, last_only=True).kv
             start += kv.extent
             out.append(kv)
         return out
@@ -278,7 +278,7 @@ class ModelAdapter(ABC):
 
     def encode(self, chunk: ChunkInput) -> ChunkKV:
         """Canonical KV: the chunk on its own, ``KV(B|∅)``."""
-        return self.prefill(chunk, self.empty_cache(), 0).kv
+        return self.prefill(chunk, self.empty_cache(), 0, last_only=True).kv
 
     def text(self, ids: Sequence[int] | torch.Tensor) -> TextInput:
         return TextInput(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))

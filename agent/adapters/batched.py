@@ -60,6 +60,10 @@ class Stepper(Protocol):
     def pause(self) -> None:
         """A point between forward passes where other work may run."""
 
+    def prefill_left(self, tokens: int) -> None:
+        """How many prompt tokens this thread still has to prefill before its first token (0:
+        none, or unknown): a scheduler may run the passes of nearly done prompts first."""
+
 
 _local = threading.local()
 
@@ -78,6 +82,13 @@ def pause() -> None:
     stepper = current()
     if stepper is not None:
         stepper.pause()
+
+
+def prefill_left(tokens: int) -> None:
+    """Tell this thread's scheduler how many prompt tokens are still to prefill (else nothing)."""
+    stepper = current()
+    if stepper is not None:
+        stepper.prefill_left(tokens)
 
 
 def supports(model: Any) -> bool:

@@ -27,7 +27,10 @@ class ServerLimits:
     frame_min_pixels: each frame's size after resizing; max_prompt_tokens: a chat prompt after
     the template; max_tokens / default_max_tokens: generated tokens (cap / when not given);
     queue_size: requests admitted beside one (``queue_size + 1`` places: running together up to
-    ``max_batch``, which decode as one batch, the rest waiting their turn);
+    ``max_batch``, which decode as one batch, the rest waiting their turn); prefill_budget_s:
+    prefill time the model spends between two decode steps while prompts wait to be prefilled
+    (``scheduler.py``: more gives new requests their first token sooner, less keeps running
+    streams' tokens coming faster);
     max_sessions / session_idle_s: live agent sessions and how long an idle one lives;
     max_session_tokens: a session's window budget; max_observations: per step; drain_s: how
     long shutdown waits for running requests; header_timeout_s: a request's headers must arrive
@@ -58,6 +61,7 @@ class ServerLimits:
     default_max_tokens: int = 256
     queue_size: int = 32
     max_batch: int = 32
+    prefill_budget_s: float = 0.25
     max_sessions: int = 64
     session_idle_s: float = 900.0
     max_session_tokens: int = 32768

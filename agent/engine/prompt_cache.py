@@ -60,6 +60,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
+from agent.adapters import batched
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import encoder_calls
 from agent.engine.prompt import (
@@ -324,7 +325,9 @@ class PromptCache:
                 (inp,) = prompt.inputs_between(a, b)
                 last = b == len(prompt.units)
                 at = int(prompt.pos_off[a])
-                out = self.adapter.prefill(inp, cache, at, placed=True, last_only=last)
+                batched.prefill_left(prompt.n_tokens - int(prompt.tok_off[b]))  # once this pass is done
+                # the head runs on the last token only: only the prompt's last logits are read
+                out = self.adapter.prefill(inp, cache, at, placed=True, last_only=True)
                 item = Placement(out.kv, start=at)
                 if not window.adopt(item):
                     raise RuntimeError("the model did not write its new tokens into the window")

@@ -112,7 +112,9 @@ class Runtime:
         self.tenants = dict(self.config.api_keys)
         tenant_sessions, tenant_queue = self.limits.tenant_quotas(len(set(self.tenants.values())))
         self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s, tenant_sessions)
-        self.worker = ModelWorker(self.limits.queue_size, tenant_queue, self.limits.max_batch)
+        self.worker = ModelWorker(
+            self.limits.queue_size, tenant_queue, self.limits.max_batch, self.limits.prefill_budget_s
+        )
         self.token_bound = TokenBound.of(adapter.tokenizer)
         self.draining = False
         self.error: str | None = None

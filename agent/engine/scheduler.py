@@ -17,11 +17,16 @@ wants the next token's logits (it joins the next batched decode step) and after 
 1. start waiting jobs while fewer than ``max_running`` run (each runs to its first step);
 2. run one decode step for every job that asked for one, as one batched forward pass (each job
    keeps its own cache), and let each job take its logits on to its next step;
-3. let one paused job (in rotation) run its next prefill pass.
+3. let paused jobs run their next prefill passes, until the iteration has spent
+   ``prefill_budget_s`` on them (at least one pass): first the job with the fewest prompt tokens
+   left to prefill (``batched.prefill_left``; earlier starts first among equals), and every
+   ``AGING``-th pass the job that started first, so a long prompt keeps moving however many
+   short ones arrive.
 
-A long prompt therefore advances one bounded pass (a prefill segment) per iteration while the
-streams already running get a token each, and a short prompt that arrives meanwhile takes its
-turns beside it. A job's tokens do not depend on what it was batched with (``batched.py``).
+A long prompt therefore advances in bounded passes (prefill segments) while the streams already
+running get a token every iteration, and short prompts that arrive meanwhile finish their prefill
+first, one after another rather than all together (their first tokens come as early as the model
+allows). A job's tokens do not depend on what it was batched with (``batched.py``).
 
 Not here: what a job does (``runtime.py``).
 """
@@ -29,7 +34,9 @@ Not here: what a job does (``runtime.py``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import suppress
@@ -42,6 +49,8 @@ from agent.adapters import batched
 T = TypeVar("T")
 
 MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait their turn
+PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
+AGING = 4  # every AGING-th prefill pass goes to the job that started first
 
 
 class QueueFullError(RuntimeError):
@@ -76,8 +85,10 @@ class _Runner(batched.Stepper):
     """One running job: its thread, and where it stands (``state``) when it gave the turn back:
     ``decode`` (waits for a batched step's logits), ``pause`` (between passes) or ``done``."""
 
-    def __init__(self, job: _Job, back: threading.Event) -> None:
+    def __init__(self, job: _Job, back: threading.Event, order: int) -> None:
         self.job = job
+        self.order = order  # when it started: earlier first among equals
+        self.left = 0  # prompt tokens still to prefill, as the job last said
         self.state = "new"
         self.result: Any = None
         self.error: BaseException | None = None
@@ -121,6 +132,9 @@ class _Runner(batched.Stepper):
     def pause(self) -> None:
         self._yield("pause")
 
+    def prefill_left(self, tokens: int) -> None:
+        self.left = max(0, int(tokens))
+
     # --- the scheduler's side --------------------------------------------------------------
 
     def resume(self) -> None:
@@ -137,10 +151,17 @@ class ModelWorker:
     ``max_running`` jobs running (and decoding together) at once."""
 
     def __init__(
-        self, queue_size: int, tenant_capacity: int | None = None, max_running: int = MAX_RUNNING
+        self,
+        queue_size: int,
+        tenant_capacity: int | None = None,
+        max_running: int = MAX_RUNNING,
+        prefill_budget_s: float = PREFILL_BUDGET_S,
     ) -> None:
         if not 1 <= max_running <= batched.MAX_ROWS:
             raise ValueError(f"max_running must be in 1..{batched.MAX_ROWS}, got {max_running}")
+        if not prefill_budget_s >= 0:
+            raise ValueError(f"prefill_budget_s must be >= 0, got {prefill_budget_s}")
+        self.prefill_budget_s = prefill_budget_s
         self.capacity = queue_size + 1  # a running job and those waiting
         self.tenant_capacity = min(self.capacity, tenant_capacity or self.capacity)
         self.max_running = max_running
@@ -148,7 +169,8 @@ class ModelWorker:
         self._held: Counter[str] = Counter()
         self._waiting: dict[str, deque[_Job]] = {}  # insertion order is the rotation
         self._running: list[_Runner] = []  # touched by the scheduler thread only
-        self._turn = 0  # the rotation over paused jobs
+        self._passes = 0  # prefill passes handed out, for AGING
+        self._order = itertools.count()
         self._back = threading.Event()
         self.pending = 0
         self.closed = False
@@ -217,12 +239,21 @@ class ModelWorker:
                         return
                 continue
             self._decode_step()
-            paused = [r for r in self._running if r.state == "pause"]
-            if paused:
-                self._turn %= len(paused)
-                paused[self._turn].resume()
-                self._turn += 1
+            self._prefill_passes()
             self._reap()
+
+    def _prefill_passes(self) -> None:
+        """Paused jobs' next passes, nearly done prompts first, until the budget is spent."""
+        t0 = time.perf_counter()
+        while paused := [r for r in self._running if r.state == "pause"]:
+            self._passes += 1
+            if self._passes % AGING == 0:
+                runner = min(paused, key=lambda r: r.order)
+            else:
+                runner = min(paused, key=lambda r: (r.left, r.order))
+            runner.resume()
+            if time.perf_counter() - t0 >= self.prefill_budget_s:
+                return
 
     def _start(self, job: _Job) -> None:
         error: BaseException | None = None
@@ -234,7 +265,7 @@ class ModelWorker:
             with suppress(RuntimeError):  # the event loop is gone: nobody waits
                 job.loop.call_soon_threadsafe(_settle, job.future, None, error)
             return
-        runner = _Runner(job, self._back)
+        runner = _Runner(job, self._back, next(self._order))
         self._running.append(runner)
         runner.resume()  # to its first step
         self._reap()
