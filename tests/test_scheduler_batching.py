@@ -101,3 +101,35 @@ def test_a_long_prefill_does_not_hold_a_short_request_back(runtime: Runtime) -> 
     order: list[str] = []
     _run_all(runtime, [(long_text + "\nHow many jars on shelf 3?", 2), ("Say yes.", 2)], "interleave", order)
     assert order.index("start:Say yes.") < order.index("start:" + long_text[:12]), order
+
+
+def test_prompts_that_arrive_together_finish_their_prefill_one_after_another(runtime: Runtime) -> None:
+    """Two prompts of the same length submitted at once: the first one's passes run first (the
+    fewest tokens left), so it starts decoding after its own passes alone; taking passes in turns
+    would have it wait for nearly all of both."""
+    text = " ".join(f"Note {i}: the {i % 5}th crate holds {i * 7} pears." for i in range(14))
+    passes_at_start: dict[str, int] = {}
+    done = threading.Event()
+
+    async def main() -> None:
+        tasks = []
+        for name in ("first", "second"):
+            cancel = threading.Event()
+
+            def started(name: str = name) -> None:
+                passes_at_start[name] = runtime.worker._passes
+
+            params = SamplingParams(max_tokens=2)
+            pieces = _pieces(runtime, f"{text}\nWhich crate holds the most pears? ({name})")
+            salt = f"together-{name}"
+            fn = functools.partial(runtime.chat, pieces, params, salt, cancel, started, None, "exact")
+            tasks.append(asyncio.ensure_future(runtime.worker.run(fn, cancel)))
+        await asyncio.gather(*tasks)
+        done.set()
+
+    before = runtime.worker._passes
+    asyncio.run(main())
+    assert done.is_set()
+    first, second = passes_at_start["first"] - before, passes_at_start["second"] - before
+    assert second >= 8, f"the prompts are too short to tell the orders apart ({second} passes)"
+    assert first <= second // 2 + 1, f"the first prompt waited for the second's passes: {first} of {second}"

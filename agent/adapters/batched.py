@@ -60,9 +60,10 @@ class Stepper(Protocol):
     def pause(self) -> None:
         """A point between forward passes where other work may run."""
 
-    def prefill_left(self, tokens: int) -> None:
-        """How many prompt tokens this thread still has to prefill before its first token (0:
-        none, or unknown): a scheduler may run the passes of nearly done prompts first."""
+    def prefill_left(self, before: int, after: int) -> None:
+        """A prefill pass is about to run: ``before`` prompt tokens are left to prefill before
+        the first token (this pass's included), ``after`` once it is done. A scheduler may run
+        the passes of nearly done prompts first, and may pause here before the job's first pass."""
 
 
 _local = threading.local()
@@ -84,11 +85,12 @@ def pause() -> None:
         stepper.pause()
 
 
-def prefill_left(tokens: int) -> None:
-    """Tell this thread's scheduler how many prompt tokens are still to prefill (else nothing)."""
+def prefill_left(before: int, after: int) -> None:
+    """Tell this thread's scheduler how many prompt tokens are left to prefill before and after
+    the pass about to run (else nothing)."""
     stepper = current()
     if stepper is not None:
-        stepper.prefill_left(tokens)
+        stepper.prefill_left(before, after)
 
 
 def supports(model: Any) -> bool:

@@ -325,7 +325,8 @@ class PromptCache:
                 (inp,) = prompt.inputs_between(a, b)
                 last = b == len(prompt.units)
                 at = int(prompt.pos_off[a])
-                batched.prefill_left(prompt.n_tokens - int(prompt.tok_off[b]))  # once this pass is done
+                left = prompt.n_tokens - int(prompt.tok_off[a])
+                batched.prefill_left(left, left - inp.n_tokens)
                 # the head runs on the last token only: only the prompt's last logits are read
                 out = self.adapter.prefill(inp, cache, at, placed=True, last_only=True)
                 item = Placement(out.kv, start=at)

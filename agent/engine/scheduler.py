@@ -14,7 +14,8 @@ one thread. A job gives the turn back at its model steps (``agent/adapters/batch
 wants the next token's logits (it joins the next batched decode step) and after each prefill pass
 (a pause). One iteration of the scheduler:
 
-1. start waiting jobs while fewer than ``max_running`` run (each runs to its first step);
+1. start waiting jobs while fewer than ``max_running`` run (each runs to its first step: up to
+   its first prefill pass, which then waits its turn in 3, or its first decode step);
 2. run one decode step for every job that asked for one, as one batched forward pass (each job
    keeps its own cache), and let each job take its logits on to its next step;
 3. let paused jobs run their next prefill passes, until the iteration has spent
@@ -89,6 +90,7 @@ class _Runner(batched.Stepper):
         self.job = job
         self.order = order  # when it started: earlier first among equals
         self.left = 0  # prompt tokens still to prefill, as the job last said
+        self.queued = False  # whether it has paused before its first prefill pass
         self.state = "new"
         self.result: Any = None
         self.error: BaseException | None = None
@@ -132,8 +134,12 @@ class _Runner(batched.Stepper):
     def pause(self) -> None:
         self._yield("pause")
 
-    def prefill_left(self, tokens: int) -> None:
-        self.left = max(0, int(tokens))
+    def prefill_left(self, before: int, after: int) -> None:
+        if not self.queued:  # a job's first pass waits its turn like any other
+            self.queued = True
+            self.left = max(0, int(before))
+            self._yield("pause")
+        self.left = max(0, int(after))
 
     # --- the scheduler's side --------------------------------------------------------------
 
