@@ -133,3 +133,44 @@ def test_prompts_that_arrive_together_finish_their_prefill_one_after_another(run
     first, second = passes_at_start["first"] - before, passes_at_start["second"] - before
     assert second >= 8, f"the prompts are too short to tell the orders apart ({second} passes)"
     assert first <= second // 2 + 1, f"the first prompt waited for the second's passes: {first} of {second}"
+
+
+def test_a_step_that_fails_for_one_request_fails_that_request_only(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched decode step that raises because of one row (here: after every row's KV was
+    written, as a failure half way through would leave it): that request gets the error, the
+    others are stepped again alone from their caches as they were and answer as they do alone."""
+    good = [(QUESTIONS[i], 48) for i in (2, 4, 5)]
+    alone = [_run_all(runtime, [job], salt=f"fail-alone-{i}")[0] for i, job in enumerate(good)]
+    poison = " ".join(f"Row {i} of the ledger is blank." for i in range(60))  # a prompt past 300 tokens
+    step = runtime.adapter.decode_rows
+    shared: list[int] = []  # sizes of the failed steps
+
+    def failing(tokens: Any, caches: Any, positions: Any) -> Any:
+        out = step(tokens, caches, positions)
+        if any(p >= 300 for p in positions):
+            shared.append(len(tokens))
+            raise RuntimeError("a row the model cannot step")
+        return out
+
+    monkeypatch.setattr(runtime.adapter, "decode_rows", failing)
+
+    async def main() -> list[Any]:
+        tasks = []
+        for i, (text, max_tokens) in enumerate([*good, (poison, 5)]):
+            cancel = threading.Event()
+            params = SamplingParams(max_tokens=max_tokens, logprobs=True, top_logprobs=2)
+            fn = functools.partial(
+                runtime.chat, _pieces(runtime, text), params, f"fail-{i}", cancel, None, None, "exact"
+            )
+            tasks.append(asyncio.ensure_future(runtime.worker.run(fn, cancel)))
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    *answers, failed = asyncio.run(main())
+    assert max(shared) > 1, "the failing request never shared a step"
+    assert isinstance(failed, RuntimeError)
+    assert "cannot step" in str(failed)
+    for a, b in zip(alone, answers, strict=True):
+        assert not isinstance(b, BaseException), b
+        assert _same(a, b)

@@ -93,6 +93,22 @@ def prefill_left(before: int, after: int) -> None:
         stepper.prefill_left(before, after)
 
 
+def lengths(cache: Any) -> list[int] | None:
+    """Tokens in each layer of a model cache (None: not a transformers cache), for :func:`rewind`."""
+    try:
+        return [layer.get_seq_length() for layer in hf_layers(cache)]
+    except TypeError:
+        return None
+
+
+def rewind(cache: Any, marks: Sequence[int]) -> None:
+    """Drop what a failed step appended to ``cache`` since :func:`lengths` gave ``marks``."""
+    for layer, n in zip(hf_layers(cache), marks, strict=True):
+        extra = layer.get_seq_length() - n
+        if extra > 0:
+            layer.crop(-extra)
+
+
 def supports(model: Any) -> bool:
     """Whether :func:`decode_rows` can run ``model`` (a transformers causal LM)."""
     cfg = model.config.get_text_config()

@@ -17,7 +17,9 @@ wants the next token's logits (it joins the next batched decode step) and after 
 1. start waiting jobs while fewer than ``max_running`` run (each runs to its first step: up to
    its first prefill pass, which then waits its turn in 3, or its first decode step);
 2. run one decode step for every job that asked for one, as one batched forward pass (each job
-   keeps its own cache), and let each job take its logits on to its next step;
+   keeps its own cache), and let each job take its logits on to its next step (a step that
+   raises is run again row by row from the caches as they were, so only the rows that fail on
+   their own get the error);
 3. let paused jobs run their next prefill passes, until the iteration has spent
    ``prefill_budget_s`` on them (at least one pass): first the job with the fewest prompt tokens
    left to prefill (``batched.prefill_left``; earlier starts first among equals), and every
@@ -286,23 +288,40 @@ class ModelWorker:
             assert r.request is not None
             by_adapter.setdefault(id(r.request[0]), []).append(r)
         for group in by_adapter.values():
-            adapter = group[0].request[0]  # type: ignore[index]
+            marks = [batched.lengths(r.request[2]) for r in group]  # type: ignore[index]
             try:
-                with torch.inference_mode():
-                    logits = adapter.decode_rows(
-                        [r.request[1] for r in group],  # type: ignore[index]
-                        [r.request[2] for r in group],  # type: ignore[index]
-                        [r.request[3] for r in group],  # type: ignore[index]
-                    )
-                for r, row in zip(group, logits, strict=True):
-                    r.logits = row
-            except Exception as exc:  # each job raises it in its own thread
-                for r in group:
-                    r.step_error = exc
+                self._step(group)
+            except Exception as exc:
+                if any(m is None for m in marks):  # caches that cannot be rewound: all fail
+                    for r in group:
+                        r.step_error = exc
+                else:  # one row's failure is its own: back to where they were, then alone
+                    for r, m in zip(group, marks, strict=True):
+                        batched.rewind(r.request[2], m)  # type: ignore[index, arg-type]
+                    for r in group:
+                        try:
+                            self._step([r])
+                        except Exception as alone:  # raised in the job's own thread
+                            r.step_error = alone
             self.steps += 1
             self.rows += len(group)
         for r in waiting:
             r.resume()
+
+    @staticmethod
+    def _step(group: list[_Runner]) -> None:
+        """One batched decode step of ``group`` (one adapter); each runner gets its row's logits.
+        A row's logits do not depend on the rows beside it (``batched.py``), so a row stepped
+        alone after a failed batch gets what the batch would have given it."""
+        adapter = group[0].request[0]  # type: ignore[index]
+        with torch.inference_mode():
+            logits = adapter.decode_rows(
+                [r.request[1] for r in group],  # type: ignore[index]
+                [r.request[2] for r in group],  # type: ignore[index]
+                [r.request[3] for r in group],  # type: ignore[index]
+            )
+        for r, row in zip(group, logits, strict=True):
+            r.logits = row
 
     def _reap(self) -> None:
         for r in [r for r in self._running if r.state == "done"]:
