@@ -56,7 +56,6 @@ import json
 import math
 import os
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +65,8 @@ import torch
 
 from agent.engine.answer import answer
 from agent.engine.chat import Message, render
-from agent.engine.generation import Decoded, SamplingParams, decode
+from agent.engine.full_prefill import full_prefill
+from agent.engine.generation import Decoded, SamplingParams
 from agent.engine.prompt import Prompt
 from agent.engine.prompt_cache import SERVED, PromptCache, PromptCacheConfig, build_prompt
 from agent.modes import REUSE_MODES, ReuseMode
@@ -76,7 +76,6 @@ from bench.agreement import answer_fields, ttft_fields
 from bench.traces_data import load_sessions
 from bench.traces_policies import DEFAULT_SEED, get_policy
 from bench.traces_tokens import message_body
-from cache.arena import KVArena
 from cache.store import StoreConfig, TieredStore
 
 DEFAULT_POLICIES = ("append", "mask-observations-2", "window-3", "dynamic-system", "rerank")
@@ -139,22 +138,14 @@ def run(pc: PromptCache, prompt: Any, salt: str, mode: ReuseMode, params: Sampli
 
 
 def one_pass(adapter: Any, prompt: Prompt, params: SamplingParams) -> Outcome:
-    """The fastest full prefill the engine runs: the whole prompt in one forward pass (its images
-    in the same pass) into a fresh arena cache sized for the answer, only the last logits
-    computed and no KV taken out, then decoded greedily as a chat completion decodes. No prompt
-    cache: nothing is looked up or stored."""
+    """The fastest full prefill the engine runs (``agent.engine.full_prefill``: the whole prompt
+    in one forward pass into a fresh cache, then decoded greedily as a chat completion decodes),
+    timed. No prompt cache: nothing is looked up or stored."""
     t0 = time.perf_counter()
-    d = adapter.arena_dims
-    arena = KVArena(d.n_layers, d.k, d.v, prompt.n_tokens + params.max_tokens, d.dtype, d.device)
-    cache = adapter.new_cache(arena)
-    *before, last = prompt.inputs_between(0, len(prompt.units))
-    if before:
-        _, logits = adapter.prefill_and_ask(before, last, cache, 0)
-    else:
-        logits = adapter.next_logits(last, cache, 0)
-    decoded = decode(adapter, logits, cache, int(prompt.pos_off[-1]), params, threading.Event())
+    out = full_prefill(adapter, prompt, params)
     total = time.perf_counter() - t0
-    return Outcome(decoded.tokens, logits, decoded.first_token_at - t0, total, None, _margins(decoded))
+    d = out.decoded
+    return Outcome(d.tokens, out.logits, d.first_token_at - t0, total, None, _margins(d))
 
 
 def _margins(decoded: Decoded) -> list[float]:
