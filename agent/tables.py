@@ -26,13 +26,14 @@ WRAP_AT = 32  # a cell longer than this may wrap inside its column; shorter ones
 GAP = 3  # rich's padding and rule between two columns
 
 
-def make_console(stderr: bool = False, file: TextIO | None = None) -> Console:
-    """A console for a terminal (its own width, colours) or a plain one for a pipe or file."""
+def make_console(stderr: bool = False, file: TextIO | None = None, plain_width: int = PLAIN_WIDTH) -> Console:
+    """A console for a terminal (its own width, colours) or a plain one for a pipe or file,
+    ``plain_width`` columns wide."""
     stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
     if stream.isatty():
         return Console(file=stream)
     return Console(
-        file=stream, width=PLAIN_WIDTH, color_system=None, no_color=True, highlight=False, emoji=False
+        file=stream, width=plain_width, color_system=None, no_color=True, highlight=False, emoji=False
     )
 
 
