@@ -5,9 +5,9 @@ by block: every width here is the published ``config.json`` value, only the dept
 weights are random (their values do not change the time of a dense float32 pass). The model is
 the real transformers class, run through :class:`~agent.adapters.qwen_vl.QwenVLAdapter`.
 :func:`block_groups` names the blocks whose time scales with depth, for any Qwen2.5-VL adapter
-(``bench/video_costs.py`` scales the measured times to the real depths).
+(so that a timing of a cut model can be scaled to the real depths).
 
-Not here: real weights (``loading.py``), timing (``bench/video_costs.py``).
+Not here: real weights (``loading.py``), timing.
 """
 
 from __future__ import annotations
