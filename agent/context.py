@@ -31,6 +31,7 @@ import torch
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, Prefill
 from agent.context_types import (
     ChunkView,
+    ContextKeys,
     Counters,
     Ensured,
     Evicted,
@@ -64,6 +65,7 @@ class ContextManager:
         self.counters = Counters()
         self._keep = Keeper(adapter, store, config, self.counters)
         self._evicted: dict[str, Evicted] = {}
+        self._contexts = ContextKeys()
         prefix_kv = adapter.encode(prefix)
         self.counters.tokens_prefilled += prefix.n_tokens
         pid = adapter.chunk_key(prefix, config.tenant_salt)
@@ -111,7 +113,7 @@ class ContextManager:
 
     def exact_run(self, chunk_ids: Sequence[str]) -> int:
         """How many chunks after the prefix hold ``chunk_ids`` as a fresh prefill computes them."""
-        return exact_run(self._slots, chunk_ids)
+        return exact_run(self._slots, chunk_ids, self._context_keys())
 
     @property
     def exact(self) -> bool:
@@ -220,7 +222,7 @@ class ContextManager:
             raise ValueError(
                 f"a {kv.n_tokens}-token chunk cannot fit a {self.config.budget_tokens}-token window"
             )
-        ctx = context_key(s.chunk_id for s in self._slots)
+        ctx = self._context_keys()[-1]
         slot = Slot(
             kv=kv,
             chunk_id=self.adapter.chunk_key(chunk, self.config.tenant_salt),
@@ -237,7 +239,7 @@ class ContextManager:
         if self.tokens > self.config.budget_tokens:
             self._slots.pop()
             self._make_room(kv.n_tokens)
-            slot.context_key = context_key(s.chunk_id for s in self._slots)
+            slot.context_key = self._context_keys()[-1]
             slot.start, slot.source = self._end, Source.ROTATED  # moved by the slide
             self._slots.append(slot)
             cache = None
@@ -434,6 +436,10 @@ class ContextManager:
         return self.config.budget_tokens if self.config.max_offset is None else self.config.max_offset
 
     # --- internals ----------------------------------------------------------------------
+
+    def _context_keys(self) -> list[str]:
+        """The context key of each prefix of the window (the empty one first)."""
+        return self._contexts.prefixes([s.chunk_id for s in self._slots])
 
     def _restart(self) -> None:
         """Logical starts from 0 in window order; the live cache is remade on next use (and a

@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 from agent.adapters.base import ChunkInput, ImageInput
 from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
-from cache.keys import digest_key
+from cache.keys import DigestChain, digest_key
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
 from cache.rope import KERNELS
@@ -128,6 +128,19 @@ def set_key(chunk_ids: Iterable[str]) -> str:
     return "set-" + context_key(sorted(chunk_ids))
 
 
+class ContextKeys:
+    """:func:`context_key` of every prefix of a window's chunk ids, kept between calls: each id
+    is hashed once while it and the ids before it stay in place, so asking for the keys of the
+    window again, or after a chunk is appended, costs no hashing beyond the new ids."""
+
+    def __init__(self) -> None:
+        self.chain = DigestChain("context")
+
+    def prefixes(self, chunk_ids: Sequence[str]) -> list[str]:
+        """``context_key(chunk_ids[:i])`` for i = 0..len(chunk_ids)."""
+        return [k.hex for k in self.chain.keys([cid.encode() for cid in chunk_ids])]
+
+
 class RecallError(KeyError):
     """The chunk was never in this window, or is in it now."""
 
@@ -168,17 +181,14 @@ def slot_kind(slot: Slot) -> str:
     return str(slot.meta.get("kind", "image" if isinstance(slot.input, ImageInput) else "text"))
 
 
-def exact_run(slots: Sequence[Slot], chunk_ids: Sequence[str]) -> int:
+def exact_run(slots: Sequence[Slot], chunk_ids: Sequence[str], contexts: Sequence[str]) -> int:
     """How many of ``slots`` after the first (the prefix) are ``chunk_ids``' leading ones with the
     KV a fresh prefill computes: each prefilled (or stored) after exactly the chunks now in front
-    of it, in that order. Moved-and-patched KV, or KV conditioned on other antecedents, ends it."""
+    of it, in that order. Moved-and-patched KV, or KV conditioned on other antecedents, ends it.
+    ``contexts[i]``: the context key of ``slots[:i]`` (:meth:`ContextKeys.prefixes`)."""
     n = 0
     for i, (slot, cid) in enumerate(zip(slots[1:], chunk_ids, strict=False), 1):
-        if (
-            slot.chunk_id != cid
-            or slot.source not in EXACT_SOURCES
-            or slot.context_key != context_key(s.chunk_id for s in slots[:i])
-        ):
+        if slot.chunk_id != cid or slot.source not in EXACT_SOURCES or slot.context_key != contexts[i]:
             break
         n += 1
     return n

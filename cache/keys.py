@@ -175,6 +175,41 @@ def digest_key(kind: str, parts: Iterable[bytes]) -> ContentKey:
     return _key(f"digest:{kind}", [_frame(b"b", p) for p in parts])
 
 
+class DigestChain:
+    """``digest_key(kind, parts[:i])`` for every prefix of a sequence of parts that changes at
+    its end (a window that grows, or is cut back and grows again).
+
+    The hash state after each part is kept, so a query hashes only the parts past the longest
+    prefix it shares with the one before: the keys of a window of n parts cost its new parts,
+    not n(n+1)/2 part hashes. ``parts_hashed`` counts the parts hashed so far.
+    """
+
+    def __init__(self, kind: str) -> None:
+        h = _hasher()
+        h.update(_kind_prefix(f"digest:{kind}"))
+        self._parts: list[bytes] = []
+        self._states = [h]  # the state after parts[:i], for i = 0..len(parts)
+        self._keys = [ContentKey(h.digest()[:DIGEST_SIZE])]
+        self.parts_hashed = 0
+
+    def keys(self, parts: Sequence[bytes]) -> list[ContentKey]:
+        """The key of each prefix of ``parts``, the empty one first (``len(parts) + 1`` keys)."""
+        parts, known = list(parts), self._parts
+        same = len(known)
+        if same > len(parts) or parts[:same] != known:
+            pairs = enumerate(zip(known, parts, strict=False))
+            same = next((i for i, (a, b) in pairs if a != b), min(same, len(parts)))
+            del known[same:], self._states[same + 1 :], self._keys[same + 1 :]
+        for part in parts[same:]:
+            h = self._states[-1].copy()
+            h.update(_frame(b"b", part))
+            known.append(part)
+            self._states.append(h)
+            self._keys.append(ContentKey(h.digest()[:DIGEST_SIZE]))
+            self.parts_hashed += 1
+        return self._keys[: len(parts) + 1]
+
+
 def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """Token ids as little-endian int64 bytes ([T] -> 8T bytes)."""
     if isinstance(tokens, torch.Tensor):

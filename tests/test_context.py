@@ -384,6 +384,34 @@ def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
     assert WindowConfig().rope_kernel == "auto"
 
 
+def test_context_keys_hash_each_chunk_id_once(adapter: ModelAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recording a chunk and asking which chunks are exact hash only the ids new to the window:
+    hashing every prefix again was quadratic (n(n+1)/2 ids for each of exact_run and n adopts)."""
+    import cache.keys as keys
+
+    frame, hashed = keys._frame, []
+
+    def counted(tag: bytes, payload: bytes) -> bytes:
+        if tag == b"b" and len(payload) == 64:  # a chunk id going into a context key
+            hashed.append(payload)
+        return frame(tag, payload)
+
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(
+        adapter, store, WindowConfig(budget_tokens=4096, keep="conditioned"), TextInput(torch.arange(2, 8))
+    )
+    chunks = [TextInput(torch.tensor([i + 2, i + 3])) for i in range(32)]
+    monkeypatch.setattr(keys, "_frame", counted)
+    ids = cm.append_many(chunks)
+    assert cm.exact_run(ids) == 32
+    assert cm.exact
+    assert len(hashed) == 33  # the prefix and each chunk, once
+    cm.cut(16, store=False)
+    cm.append(chunks[0])
+    assert cm.exact_run(ids[:16]) == 16
+    assert len(hashed) == 34  # the cut window's keys were kept: one new id
+
+
 def test_exact_run_counts_only_kv_computed_after_the_chunks_in_front_of_it(adapter: ModelAdapter) -> None:
     store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
     cm = ContextManager(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from cache.keys import (
     HASH_NAME,
     ContentKey,
+    DigestChain,
     KeyMemo,
     Namespace,
     chain_key,
@@ -231,3 +232,24 @@ def test_digest_key_is_framed_and_kind_separated() -> None:
     assert digest_key("model", [b"ab", b"c"]) != digest_key("model", [b"a", b"bc"])
     assert digest_key("model", [b"ab"]) != digest_key("context", [b"ab"])
     assert digest_key("tokens", []) != token_key(NS, [])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(windows=st.lists(st.lists(st.binary(max_size=3), max_size=12), min_size=1, max_size=6))
+def test_digest_chain_gives_digest_key_of_every_prefix(windows: list[list[bytes]]) -> None:
+    chain = DigestChain("context")
+    for parts in windows:  # a window grown, cut back, changed in the middle
+        assert chain.keys(parts) == [digest_key("context", parts[:i]) for i in range(len(parts) + 1)]
+    assert chain.keys(()) == [digest_key("context", [])]
+
+
+def test_digest_chain_hashes_only_parts_past_the_shared_prefix() -> None:
+    chain = DigestChain("context")
+    parts = [bytes([i]) for i in range(40)]
+    for n in range(1, 41):  # a window growing one part at a time: each part hashed once
+        chain.keys(parts[:n])
+    assert chain.parts_hashed == 40  # hashing each prefix from scratch: 40 * 41 / 2
+    chain.keys(parts)
+    assert chain.parts_hashed == 40
+    chain.keys([*parts[:10], b"x"])  # cut back to 10, one new part
+    assert chain.parts_hashed == 41
