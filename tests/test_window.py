@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,6 +103,26 @@ def test_adopt_takes_only_tokens_the_model_wrote_after_the_window() -> None:
     assert window.adopt(item)
     assert item.segs == [(4, 3)]
     assert window.used == 7
+
+
+def test_adopt_checks_the_values_with_one_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The values' last token in every layer, compared at once (four comparisons of one layer's
+    token each cost five times as much per chunk); a chunk shifted by a token fails it."""
+    spec = SPECS["half"]
+    first = _chunk(4, "half", 0)
+    window = Window(spec, dims=ArenaDims(3, (2, 64), (2, 48), torch.float32, torch.device("cpu")))
+    arena = window.sync([Placement(first)], reserve=16)
+    new = _chunk(3, "half", 1)
+    k_new, _ = new.place(first.extent, spec, "eager")
+    for layer in range(3):
+        arena.append(layer, k_new[layer], new.v[layer], arena.generation)
+    shifted = dataclasses.replace(new, v=torch.roll(new.v, 1, dims=2))
+    equal, calls = torch.equal, []
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(a.shape) or equal(a, b))
+    assert not window.adopt(Placement(shifted, start=first.extent))
+    calls.clear()
+    assert window.adopt(Placement(new, start=first.extent))
+    assert calls == [torch.Size([3, 2, 48])]
 
 
 def test_an_empty_window_needs_its_dims() -> None:
