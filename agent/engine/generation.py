@@ -1,9 +1,10 @@
 """Decoding after a prefilled prompt: greedy or seeded sampling, stop strings, cancellation.
 
-Tokens are decoded one at a time on the model cache the prompt left; after each, the text so far
-is decoded again and the new, safe part handed to ``on_text`` (text that could still turn into a
-stop string, or an incomplete UTF-8 character, is held back until it cannot), with the log
-probabilities of the tokens behind it when asked for. ``cancel`` is checked between tokens: a
+Tokens are decoded one at a time on the model cache the prompt left; after each, the new text is
+detokenised (only the tokens since the last complete character, :class:`TextStream`) and its
+safe part handed to ``on_text`` (text that could still turn into a stop string, or an incomplete
+UTF-8 character, is held back until it cannot), with the log probabilities of the tokens behind
+it when asked for. ``cancel`` is checked between tokens: a
 client that went away stops the work.
 
 Under a grammar (``grammar.Constraint``) the tokens it does not allow get ``-inf`` before
@@ -122,7 +123,16 @@ class Sampler:
 
 
 class TextStream:
-    """Incremental detokenisation with stop strings; ``push`` returns the text safe to emit."""
+    """Incremental detokenisation with stop strings; ``push`` returns the text safe to emit.
+
+    Each push decodes only the tokens since the last complete character, after the tokens of the
+    piece before them for context (a tokenizer may render a token differently at the start of a
+    text: SentencePiece drops a leading space): the new text is the decode of
+    ``tokens[prefix:]`` past that of ``tokens[prefix:read]``, as vLLM's detokenizer does, so a
+    push costs a few tokens' decoding however long the answer. ``text`` is the text so far (an
+    incomplete character at its end as U+FFFD), cut at a stop string; at :meth:`flush`, without
+    a stop, it is the decode of every token.
+    """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
@@ -132,11 +142,23 @@ class TextStream:
         self.emitted = 0
         self.text = ""
         self.stopped = False
+        self._prefix = self._read = 0  # tokens[:read] are ``_stable``; tokens[prefix:read] give context
+        self._stable = ""
+        self._context = ""  # the decode of tokens[prefix:read]
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
+        if self.stopped:  # the text ended at its stop string
+            return ""
+        searched = max(0, len(self._stable) - self.hold)  # a stop ending before here was seen before
+        window = self._decode(self.tokens[self._prefix :])
+        tail = window[len(self._context) :] if len(window) > len(self._context) else ""
+        self.text = self._stable + tail
+        if tail and not tail.endswith("\ufffd"):  # complete: the next push starts after it
+            self._stable = self.text
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._context = self._decode(self.tokens[self._prefix : self._read])
+        cut = min((i for s in self.stop if (i := self.text.find(s, searched)) >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True
             return self._take(len(self.text))
@@ -147,7 +169,12 @@ class TextStream:
 
     def flush(self) -> str:
         """The held-back tail at the end of generation (an incomplete character stays as U+FFFD)."""
+        if not self.stopped:
+            self.text = self._decode(self.tokens)
         return self._take(len(self.text))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
     def _take(self, upto: int) -> str:
         if upto <= self.emitted:
