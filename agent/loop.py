@@ -175,6 +175,11 @@ class Agent:
         ids = self.adapter.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.adapter.text(ids)
 
+    def prompt(self, instruction: str) -> TextInput:
+        """``instruction`` laid out as the step's turn (ending in the assistant's opening) and
+        tokenized: what :meth:`step` prefills, for a caller that needs its tokens first."""
+        return self._text(self.chat.instruction(instruction))
+
     def chunks(self, obs: Observation) -> list[tuple[ChunkInput, dict[str, Any]]]:
         """An observation as window chunks with their metadata."""
         if isinstance(obs, TextObservation):
@@ -197,14 +202,15 @@ class Agent:
     def step(
         self,
         observations: Sequence[Observation],
-        instruction: str,
+        instruction: str | TextInput,
         max_new_tokens: int | None = None,
         keep_turn: bool = True,
         chunks: Sequence[tuple[ChunkInput, dict[str, Any]]] = (),
         cancel: threading.Event | None = None,
     ) -> StepResult:
         """Append the observations, answer ``instruction`` on the window and (``keep_turn``) keep
-        the instruction and its answer in the window as one ``turn`` chunk. ``keep_turn=False``
+        the instruction and its answer in the window as one ``turn`` chunk (``instruction``: text,
+        or the prompt :meth:`prompt` made of it). ``keep_turn=False``
         answers on the window alone and leaves it as it was: for questions that are each asked
         of what the window holds (a video's frames), not of the conversation before them.
         ``chunks``: chunks made by the caller (with their metadata), appended before the
@@ -217,7 +223,7 @@ class Agent:
         reused = cm.tokens
         pieces = [*chunks, *(piece for obs in observations for piece in self.chunks(obs))]
         new, metas = [chunk for chunk, _ in pieces], [meta for _, meta in pieces]
-        prompt = self._text(self.chat.instruction(instruction))
+        prompt = self.prompt(instruction) if isinstance(instruction, str) else instruction
         reuse = cm.config.reuse
         # every new chunk of the step in as few forward passes as the budget allows, the
         # instruction in the last of them; except in exact mode, where a window that is not what a

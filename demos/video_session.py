@@ -205,7 +205,8 @@ class VideoSession:
             self.frames = [self._with_embedding(f) for f in self.frames]
         latest: dict[str, FrameRecord] = {f.chunk_id: f for f in self.frames}  # one per content
         candidates = sorted(latest.values(), key=lambda f: f.t)
-        room = self.args.budget - self.prefix_tokens - self._prompt(q.question).n_tokens
+        prompt = self.agent.prompt(q.question)  # tokenized once: its length here, prefilled by the step
+        room = self.args.budget - self.prefix_tokens - prompt.n_tokens
         k, used = 0, 0
         for f in sorted(candidates, key=lambda f: f.n_tokens):  # how many frames fit at most
             cost = f.n_tokens + (self._label(k + 1).n_tokens if self.labelled else 0)
@@ -223,7 +224,7 @@ class VideoSession:
                 self._relabel(chosen)
         prepare_ms = 1000 * (time.perf_counter() - t0)
         # each question is asked of its frames alone, as re-encoding asks it: no earlier turns
-        result = self.agent.step([], q.question, keep_turn=False, chunks=rest)
+        result = self.agent.step([], prompt, keep_turn=False, chunks=rest)
         for cid, (chunk, _) in zip(result.chunk_ids, rest, strict=True):
             self.inputs[cid] = chunk
         window = self.cm.view()[1:]
@@ -235,7 +236,7 @@ class VideoSession:
         q.asked_at = now
         q.report = result.as_dict()["report"]
         if self.reprefill is None:
-            self.reprefill = self._measure_reprefill(q)
+            self.reprefill = self._measure_reprefill(q, prompt)
 
     def _with_embedding(self, frame: FrameRecord) -> FrameRecord:
         """``frame`` with its mean-pooled vision features (an encoder run the first time; the
@@ -320,14 +321,11 @@ class VideoSession:
     def _prefix(self) -> TextInput:
         return encode_text(self.adapter, self.chat.system(self.args.system))
 
-    def _measure_reprefill(self, q: Asked) -> dict[str, Any]:
+    def _measure_reprefill(self, q: Asked, prompt: TextInput) -> dict[str, Any]:
         """Full prefill of the same window (frames' features cached) and the question's first token."""
         chunks: list[ChunkInput] = [self._prefix(), *(self.inputs[c] for c in q.window_ids)]
-        ms, answer = full_answer(self.adapter, chunks, self._prompt(q.question), self.args.max_new_tokens)
+        ms, answer = full_answer(self.adapter, chunks, prompt, self.args.max_new_tokens)
         return {"ttft_ms": ms, "answer": answer, "same_answer": answer.strip() == q.answer}
-
-    def _prompt(self, question: str) -> TextInput:
-        return encode_text(self.adapter, self.chat.instruction(question))
 
     def reencode_one(self, q: Asked, images: dict[float, Any] | None = None) -> None:
         """Answer ``q`` again from scratch on its window, vision encoder included (a fresh adapter
@@ -343,7 +341,7 @@ class VideoSession:
                 t = next(times)
                 chunk = chunk if images is None else fresh.image(images[t])  # type: ignore[attr-defined]
             chunks.append(chunk)
-        _, answer = full_answer(fresh, chunks, self._prompt(q.question), self.args.max_new_tokens)
+        _, answer = full_answer(fresh, chunks, self.agent.prompt(q.question), self.args.max_new_tokens)
         q.reencoded = (time.perf_counter() - t0, answer.strip(), encoder_calls(fresh))
 
     def reencode(self, asked: Sequence[Asked]) -> dict[str, Any]:
@@ -368,15 +366,17 @@ class VideoSession:
 def full_answer(
     adapter: ModelAdapter, chunks: Sequence[ChunkInput], prompt: TextInput, max_new_tokens: int
 ) -> tuple[float, str]:
-    """Prefill ``chunks`` then ``prompt`` on an empty cache and decode greedily.
+    """Prefill ``chunks`` and ``prompt`` on an empty cache in one forward pass (the images in one
+    encoder batch), as the session prefills a question's new frames with the question, and
+    decode greedily.
 
     Returns the time to first token in milliseconds and the answer text.
     """
     t0 = time.perf_counter()
     cache = adapter.empty_cache()
-    adapter.prefill_many(chunks, cache, 0)  # one forward pass; the images in one encoder batch
+    _, first = adapter.prefill_and_ask(chunks, prompt, cache, 0)
     start = sum(adapter.chunk_positions(chunk)[1] for chunk in chunks)
-    gen = adapter.generate(prompt, cache, start, max_new_tokens)
+    gen = adapter.generate(prompt, cache, start, max_new_tokens, first_logits=first)
     ttft_ms = 1000 * (time.perf_counter() - t0) - 1000 * (gen.total_s - gen.first_token_s)
     return ttft_ms, adapter.tokenizer.decode(gen.tokens, skip_special_tokens=True)
 

@@ -224,6 +224,55 @@ def test_labelled_layout_answers_world_questions_from_a_file(tmp_path: Path) -> 
     assert [q["exact_chunks"] for q in report["questions"]] == [0, 12, 1, 12]
 
 
+def test_each_question_is_tokenized_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The question's prompt is tokenized once: its length sizes the window, the step prefills it,
+    and the first question's re-prefill measurement reuses it."""
+    from agent.byte_tokenizer import ByteTokenizer
+    from tools.world.render import main as world_video
+
+    path = tmp_path / "world.mp4"
+    assert world_video([str(path), "--episodes", "2", "--per-episode", "2"]) == 0
+    questions = [q["question"] for q in json.loads(path.with_suffix(".json").read_text())]
+    texts: list[str] = []
+    call = ByteTokenizer.__call__
+
+    def counted(self: ByteTokenizer, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        texts.append(text)
+        return call(self, text, add_special_tokens)
+
+    monkeypatch.setattr(ByteTokenizer, "__call__", counted)
+    code = main(
+        [str(path), "--model", "tiny", "--layout", "labelled", "--fps", "1", "--budget", "400",
+         "--retrieval", "recent", "--frames-per-question", "6", "--questions", str(path.with_suffix(".json")),
+         "--max-new-tokens", "2", "--quiet", "--threads", "1"]
+    )  # fmt: skip
+    assert code == 0
+    assert len([t for t in texts if any(q in t for q in questions)]) == len(questions)
+
+
+def test_reencoding_prefills_frames_and_question_in_one_pass() -> None:
+    """The baseline's pass structure is the session's: the window and the question in one forward
+    pass (then decoding), not the window and then the question."""
+    from PIL import Image
+
+    from agent.adapters.base import TextInput
+    from demos.video_session import full_answer
+    from demos.vl_model import encode_text, load_vl_adapter
+    from tools.video import counter_frames
+
+    adapter = load_vl_adapter("tiny")
+    frames = [adapter.image(Image.fromarray(a)) for a in counter_frames(2, 56, 56)]  # type: ignore[attr-defined]
+    chunks = [encode_text(adapter, "frames:"), *frames]
+    calls: list[str] = []
+    for name in ("prefill", "prefill_many", "prefill_and_ask", "next_logits"):
+        method = getattr(adapter, name)
+        setattr(adapter, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    ttft_ms, answer = full_answer(adapter, chunks, TextInput(torch.tensor([70, 71, 72])), 3)
+    assert calls == ["prefill_and_ask"]
+    assert ttft_ms > 0
+    assert isinstance(answer, str)
+
+
 @pytest.mark.parametrize("ingest", ["lazy", "eager"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_labelled_layout_reuse_modes(tmp_path: Path, ingest: str, mode: str) -> None:
