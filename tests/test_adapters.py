@@ -9,6 +9,7 @@ import torch
 from _util import max_rel
 from PIL import Image, ImageDraw
 
+from agent.adapters import attention
 from agent.adapters.base import ModelAdapter
 from agent.adapters.loading import ModelNotFoundError, UnsupportedModelError, load_adapter
 from agent.adapters.tiny import BUILDERS, VISION_FAMILIES
@@ -238,18 +239,21 @@ def test_a_cache_over_an_arena_runs_like_a_dynamic_cache(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2.5-vl"])
 def test_grouped_query_attention_without_copies_matches_sdpa(name: str) -> None:
-    """The adapter switches CPU models to ``kamera_sdpa``; new tokens over a cache (a mask, grouped
-    heads) give transformers' own ``sdpa`` results."""
+    """The adapter switches CPU models to ``kamera_blocked``; new tokens over a cache (a mask,
+    grouped heads, passes that cross a block edge) give transformers' own ``sdpa`` results, and so
+    does a decode step."""
     adapter = load_adapter(f"tiny:{name}")
-    assert adapter.model.config._attn_implementation == "kamera_sdpa"
-    context, query = adapter.text(torch.arange(3, 40)), adapter.text(torch.arange(5, 12))
+    assert adapter.model.config._attn_implementation == attention.NAME
+    context, query = adapter.text(torch.arange(3, 200) % 90), adapter.text(torch.arange(5, 80))
     out = {}
-    for impl in ("sdpa", "kamera_sdpa"):
+    for impl in ("sdpa", attention.NAME):
         adapter.model.set_attn_implementation(impl)
         cache = adapter.empty_cache()
-        adapter.prefill(context, cache, 0)
-        out[impl] = adapter.prefill(query, cache, 37).logits
-    torch.testing.assert_close(out["kamera_sdpa"], out["sdpa"], rtol=1e-5, atol=1e-5)
+        first = adapter.prefill(context, cache, 0).logits
+        second = adapter.prefill(query, cache, 197).logits
+        step = adapter.prefill(adapter.text([7]), cache, 272).logits
+        out[impl] = torch.cat([first, second, step])
+    torch.testing.assert_close(out[attention.NAME], out["sdpa"], rtol=1e-5, atol=1e-5)
 
 
 def test_load_adapter_names_the_tiny_models() -> None:

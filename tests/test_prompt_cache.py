@@ -348,8 +348,9 @@ def test_a_chunk_holding_an_image_is_a_run_of_its_own(qwen_vl: Any) -> None:
 
 
 def test_after_reused_content_the_rest_runs_in_one_pass(llama: Any, monkeypatch: Any) -> None:
-    """Segments are what make a prefill exact; what follows content reused at a moved place is
-    not exact whatever its passes, so it is prefilled in one."""
+    """What follows content reused at a moved place is prefilled in one pass; so is an exact
+    prefill (its segments joined: the blocked attention writes the KV of one pass), unless the
+    model's KV depends on how its prefill was cut, when each segment is a pass."""
     pc = make_cache(llama)
     pc.commit(pc.prepare(prompt_of(pc, chat("Now: 1"))))
     question = " ".join(f"And what of item {i}?" for i in range(40))  # several blocks long
@@ -367,7 +368,13 @@ def test_after_reused_content_the_rest_runs_in_one_pass(llama: Any, monkeypatch:
     assert max(passes) > pc.config.block_tokens  # the question after the reused document: one pass
     passes.clear()
     exact = pc.prepare(moved, mode="exact")
-    assert max(passes) <= pc.config.block_tokens  # the exact path keeps its segments
+    assert passes == [moved.n_tokens]  # nothing reused exactly: the whole prompt in one pass
+    passes.clear()
+    monkeypatch.setattr(type(llama), "cut_invariant", property(lambda self: False))
+    segmented = make_cache(llama)  # a model whose KV depends on the cut keeps its segments
+    # (this one's does not: its segments give the joined pass's logits)
+    assert torch.equal(segmented.prepare(moved, mode="exact").logits, exact.logits)
+    assert max(passes) <= pc.config.block_tokens
     monkeypatch.undo()
     reference = full_prefill_logits(llama, moved)
     torch.testing.assert_close(exact.logits, reference, atol=1e-4, rtol=1e-4)

@@ -313,6 +313,13 @@ class ModelAdapter(ABC):
         return self.embed(self.text(ids))
 
     @property
+    def cut_invariant(self) -> bool:
+        """Whether a prefill cut at multiples of ``agent.adapters.attention.BLOCK`` tokens writes
+        the KV of one pass, bit for bit, so that prefill passes may join segments (else each
+        segment is a pass of its own)."""
+        return False
+
+    @property
     def supports_recompute(self) -> bool:
         """Whether the server's repair may recompute token ids of this model's contexts
         (:meth:`run_layers` on text rows). False unless an adapter says so."""

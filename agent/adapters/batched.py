@@ -65,6 +65,11 @@ class Stepper(Protocol):
         the first token (this pass's included), ``after`` once it is done. A scheduler may run
         the passes of nearly done prompts first, and may pause here before the job's first pass."""
 
+    @property
+    def pass_tokens(self) -> int | None:
+        """The most prompt tokens one prefill pass may take (None: no bound), so that other
+        work waits at most one pass of that size."""
+
 
 _local = threading.local()
 
@@ -91,6 +96,13 @@ def prefill_left(before: int, after: int) -> None:
     stepper = current()
     if stepper is not None:
         stepper.prefill_left(before, after)
+
+
+def pass_tokens() -> int | None:
+    """The most prompt tokens one prefill pass of this thread may take: its scheduler's bound,
+    or None (one pass for all) when steps run at once."""
+    stepper = current()
+    return None if stepper is None else stepper.pass_tokens
 
 
 def lengths(cache: Any) -> list[int] | None:

@@ -13,6 +13,7 @@ Not here: vision inputs (``qwen_vl.py``), loading checkpoints (``loading.py``).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,11 @@ from cache.rope import RopeSpec, unrotate
 from cache.window import ArenaDims
 
 _IMAGE_KEYS_KEPT = 16384  # remembered image chunk keys (one short string each)
+# A prefill pass's linear layers run on at least this many rows: a float32 GEMM computes the 1 to
+# 3 rows left over at the end of a product of fewer than 12 rows with another kernel (see
+# ``batched.py``), so a short pass would not write the KV a longer pass writes for those tokens
+PASS_MIN_ROWS = 12
+_pass = threading.local()
 INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
@@ -54,6 +60,21 @@ def rope_spec_from_module(rotary_emb: torch.nn.Module, model_type: str, **mrope:
         attention_scaling=float(getattr(rotary_emb, "attention_scaling", 1.0)),
         **mrope,
     )
+
+
+def floor_rows(linear: torch.nn.Module) -> None:
+    """Make ``linear`` run a prefill pass's product on at least ``PASS_MIN_ROWS`` rows (zero rows
+    added, their results dropped), so its rows come out as they would in a longer pass."""
+    plain = linear.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[-2] if x.dim() > 1 else 0
+        if 0 < rows < getattr(_pass, "min_rows", 0):
+            pad = x.new_zeros(*x.shape[:-2], PASS_MIN_ROWS - rows, x.shape[-1])
+            return plain(torch.cat([x, pad], dim=-2))[..., :rows, :]
+        return plain(x)
+
+    linear.forward = forward
 
 
 def model_fingerprint(model: PreTrainedModel, name: str) -> str:
@@ -77,7 +98,7 @@ class DecoderAdapter(ModelAdapter):
         modules when None; ``qlinear.QuantDecode`` for a model converted from GGUF blocks)."""
         cfg = model.config.get_text_config()
         if getattr(model.config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu":
-            model.set_attn_implementation(attention.NAME)  # grouped heads without copying the cache
+            model.set_attn_implementation(attention.NAME)  # cut-invariant prefill, grouped heads uncopied
         self.model = model.eval()
         self._lean = batched.supports(model)  # decode steps batched across sequences
         self.linears = linears
@@ -86,6 +107,9 @@ class DecoderAdapter(ModelAdapter):
         self._image_keys: OrderedDict[tuple[Any, ...], str] = OrderedDict()
         self.base = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        for module in [*self.base.modules(), self.lm_head]:
+            if type(module) is torch.nn.Linear:
+                floor_rows(module)
         mla = getattr(cfg, "kv_lora_rank", None) is not None
         family: Family = "mla" if mla else "gqa"
         heads = cfg.num_attention_heads
@@ -190,6 +214,17 @@ class DecoderAdapter(ModelAdapter):
     def attention(self) -> str:
         return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
 
+    @property
+    def cut_invariant(self) -> bool:
+        """The blocked attention (``attention.py``) and no routed experts: a mixture of experts
+        runs each expert's product on the tokens routed to it, so a token's sums depend on
+        which other tokens share its pass."""
+        cfg = self.model.config.get_text_config()
+        experts = any(
+            getattr(cfg, name, None) for name in ("n_routed_experts", "num_experts", "num_local_experts")
+        )
+        return self.attention == attention.NAME and not experts
+
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
         """Content key of a chunk under this model's namespace (and a tenant's salt).
 
@@ -266,18 +301,24 @@ class DecoderAdapter(ModelAdapter):
         last_only: bool = False,
         chunks: Sequence[ChunkInput] = (),
         pause: bool = True,
+        prefill: bool = True,
     ) -> torch.Tensor:
         """Logits ``[T, vocab]`` of ``embeds [1, T, hidden]`` run at ``positions`` on ``cache``;
-        then, under a scheduler, a pause where other requests' steps may run (``pause``)."""
-        out = self.base(
-            inputs_embeds=embeds,
-            position_ids=self._position_ids(positions),
-            cache=cache,
-            use_cache=True,
-            **self._forward_kwargs(chunks),
-        )
-        hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
-        logits = self.lm_head(hidden)[0].float()
+        then, under a scheduler, a pause where other requests' steps may run (``pause``). A
+        ``prefill`` pass runs its products on at least ``PASS_MIN_ROWS`` rows."""
+        _pass.min_rows = PASS_MIN_ROWS if prefill else 0
+        try:
+            out = self.base(
+                inputs_embeds=embeds,
+                position_ids=self._position_ids(positions),
+                cache=cache,
+                use_cache=True,
+                **self._forward_kwargs(chunks),
+            )
+            hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+            logits = self.lm_head(hidden)[0].float()
+        finally:
+            _pass.min_rows = 0
         if pause:
             batched.pause()
         return logits
@@ -372,7 +413,7 @@ class DecoderAdapter(ModelAdapter):
     def _decode_one(self, token: int, cache: ModelCache, position: int) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(torch.tensor([[token]], device=self.device))
         rel, _ = self.chunk_positions(TextInput(torch.tensor([token])))
-        return self._run(embeds, rel.to(self.device) + position, cache, pause=False)[-1]
+        return self._run(embeds, rel.to(self.device) + position, cache, pause=False, prefill=False)[-1]
 
     @torch.inference_mode()
     def reference_logits(self, chunks: Sequence[ChunkInput], last_only: bool = False) -> torch.Tensor:

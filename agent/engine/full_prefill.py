@@ -1,12 +1,16 @@
 """The fastest full prefill the engine runs: a prompt answered with nothing cached, in one pass.
 
-The whole prompt goes through the model in one forward pass (its images in the same pass) into a
-fresh arena cache sized for the answer; the head runs on the last token only and no KV is taken
-out; then it is decoded as a chat completion decodes. It is what reuse is timed against.
+The whole prompt goes through the model in one forward pass per run between image edges (a
+text-only prompt: one pass; a model that is not ``cut_invariant``: one pass per prompt cache
+segment) into a fresh arena cache sized for the answer; the head runs on the last token only and
+no KV is taken out; then it is decoded as a chat completion decodes. It is what reuse is timed
+against, and what ``exact`` reuse must equal bit for bit: the attention's fixed blocks
+(``agent/adapters/attention.py``) make the prompt cache's prefill, which places what it reuses
+and prefills the rest in bounded passes, write the KV this one pass writes.
 
 Not here: the prompt cache's own full prefill (``prompt_cache.py``, ``exact`` mode with nothing
-stored), which prefills in segments so that its KV can be stored exactly, and costs more per
-token; this path looks nothing up and stores nothing.
+stored), which also takes each segment's KV out to store it; this path looks nothing up and
+stores nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import NamedTuple
 
 import torch
 
+from agent.adapters.attention import BLOCK
 from agent.adapters.base import ModelAdapter
 from agent.engine.generation import Decoded, SamplingParams, decode
-from agent.engine.prompt import Prompt
+from agent.engine.prompt import Prompt, between
 from cache.arena import KVArena
 
 
@@ -34,10 +39,11 @@ def full_prefill(
     d = adapter.arena_dims
     arena = KVArena(d.n_layers, d.k, d.v, prompt.n_tokens + params.max_tokens, d.dtype, d.device)
     cache = adapter.new_cache(arena)
-    *before, last = prompt.inputs_between(0, len(prompt.units))
-    if before:
-        _, logits = adapter.prefill_and_ask(before, last, cache, 0)
-    else:
-        logits = adapter.next_logits(last, cache, 0)
+    # passes begin and end at each image's edges, as the prompt cache's do; a model whose KV
+    # depends on how its prefill was cut runs the prompt cache's segments
+    cuts = prompt.cuts(BLOCK if not adapter.cut_invariant else None)
+    for a, b in between(cuts, 0, len(prompt.units)):
+        (inp,) = prompt.inputs_between(a, b)
+        logits = adapter.next_logits(inp, cache, int(prompt.pos_off[a]))
     decoded = decode(adapter, logits, cache, int(prompt.pos_off[-1]), params, cancel or threading.Event())
     return FullPrefill(decoded, logits)

@@ -30,7 +30,9 @@ class ServerLimits:
     ``max_batch``, which decode as one batch, the rest waiting their turn); prefill_budget_s:
     prefill time the model spends between two decode steps while prompts wait to be prefilled
     (``scheduler.py``: more gives new requests their first token sooner, less keeps running
-    streams' tokens coming faster);
+    streams' tokens coming faster); prefill_pass_tokens: the most prompt tokens one prefill pass
+    takes (whole segments: what runs meanwhile waits at most one such pass; fewer, larger passes
+    read the weights fewer times);
     max_sessions / session_idle_s: live agent sessions and how long an idle one lives;
     max_session_tokens: a session's window budget; max_observations: per step; drain_s: how
     long shutdown waits for running requests; header_timeout_s: a request's headers must arrive
@@ -62,6 +64,7 @@ class ServerLimits:
     queue_size: int = 32
     max_batch: int = 32
     prefill_budget_s: float = 0.25
+    prefill_pass_tokens: int = 512
     max_sessions: int = 64
     session_idle_s: float = 900.0
     max_session_tokens: int = 32768

@@ -1,9 +1,11 @@
 """A chat request's prompt as planning units, and the keys its KV is filed under.
 
 A prompt (``chat.render``) becomes *planning units*: one per text token and one per image, so an
-image is atomic (:class:`Prompt`, made by :func:`build_prompt`). Its prefill runs in *segments*
-cut at fixed points (:meth:`Prompt.cuts`: multiples of a block size and every image's edges), so
-the same prompt is always computed by the same forward passes.
+image is atomic (:class:`Prompt`, made by :func:`build_prompt`). Its KV is stored in *segments* cut
+at fixed points (:meth:`Prompt.cuts`: multiples of a block size and every image's edges), the
+grain of exact reuse. The prefill runs the segments in passes (:func:`passes`: as few as a bound
+allows, breaking at image edges); the model's attention computes fixed blocks aligned to those
+cuts (``agent/adapters/attention.py``), so the KV does not depend on how segments were grouped.
 
 :class:`PromptKeys` names what is stored: a segment's KV under a key of its content and its
 whole context (``chain_key(context, span)``), a chunk's alias under its content alone, and the
@@ -15,6 +17,7 @@ Not here: reusing and prefilling (``prompt_cache.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,6 +213,47 @@ def between(cuts: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
     """Units [a, b) split at the ``cuts`` inside them."""
     inner = cuts[(cuts > a) & (cuts < b)].tolist()
     return list(itertools.pairwise([a, *inner, b]))
+
+
+def passes(
+    prompt: Prompt, segments: Sequence[tuple[int, int]], cap: int | None, join: bool = True
+) -> list[list[tuple[int, int]]]:
+    """``segments`` (consecutive unit spans) grouped into forward passes: text segments join one
+    pass while it stays within ``cap`` tokens (None: no bound; a segment longer than the cap
+    runs alone); an image segment is a pass of its own, so passes begin and end at image edges.
+    ``join`` False (a model whose KV depends on how its prefill was cut): one pass a segment."""
+    out: list[list[tuple[int, int]]] = []
+    group: list[tuple[int, int]] = []
+    tokens, text = 0, True
+    for a, b in segments:
+        n = int(prompt.tok_off[b] - prompt.tok_off[a])
+        is_text = not prompt.has_image(a, b)
+        if group and (not (join and is_text and text) or (cap is not None and tokens + n > cap)):
+            out.append(group)
+            group, tokens = [], 0
+        group.append((a, b))
+        tokens += n
+        text = is_text
+    if group:
+        out.append(group)
+    return out
+
+
+def split_pass(
+    prompt: Prompt, group: Sequence[tuple[int, int]], kv: ChunkKV
+) -> list[tuple[int, int, ChunkKV]]:
+    """The KV of one pass over ``group``'s segments, one (start, end, KV) per segment: copies, so
+    that each stored entry holds its own tokens only (one segment: the pass's KV as it is)."""
+    if len(group) == 1:
+        return [(group[0][0], group[0][1], kv)]
+    a0 = group[0][0]
+    out = []
+    for a, b in group:
+        t0, t1 = int(prompt.tok_off[a] - prompt.tok_off[a0]), int(prompt.tok_off[b] - prompt.tok_off[a0])
+        p0 = int(prompt.pos_off[a] - prompt.pos_off[a0])
+        part = kv.sliced(t0, t1, p0, int(prompt.pos_off[b] - prompt.pos_off[a]))
+        out.append((a, b, dataclasses.replace(part, k=part.k.contiguous(), v=part.v.contiguous())))
+    return out
 
 
 def cut_back(cuts: np.ndarray, at: int) -> int:

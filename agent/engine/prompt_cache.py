@@ -60,7 +60,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
-from agent.adapters import batched
+from agent.adapters import attention, batched
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import encoder_calls
 from agent.engine.prompt import (
@@ -69,9 +69,10 @@ from agent.engine.prompt import (
     PromptKeys,
     Record,
     TableRow,
-    between,
     build_prompt,
     ids_upto,
+    passes,
+    split_pass,
 )
 from agent.engine.reuse import Finder
 from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
@@ -94,7 +95,6 @@ __all__ = [
     "PromptUsage",
     "build_prompt",
 ]
-
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,6 @@ class PromptCacheConfig:
         if min(self.repair_margin_cap, self.repair_margin, self.repair_residual_unit) <= 0:
             return float("inf")
         return self.repair_residual_unit * (self.repair_margin_cap / self.repair_margin) ** 2
-
 
 
 Served = Literal["prefix", "moved", "fallback", "given_up"]
@@ -227,6 +226,8 @@ class PromptCache:
         self.index = ContentIndex(self.config.planner.verify, self.config.max_index_entries)
         self._planners: OrderedDict[str, Planner] = OrderedDict()
         self._image_base = 1 << max(16, adapter.vocab_size.bit_length())
+        # prefill passes may join segments where that leaves the KV as one pass writes it
+        self._join = adapter.cut_invariant and self.config.block_tokens % attention.BLOCK == 0
         self._image_ids: dict[str, int] = {}
 
     def image_unit(self, content_key: str) -> int:
@@ -271,7 +272,6 @@ class PromptCache:
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
-        image_edges = prompt.cuts(None)
         finder = Finder(self.store, self.config.min_reuse_tokens)
         chunks = finder.chunks(prompt, plan, keys, mode)
         fetched = finder.prefetch(prompt, plan, keys, mode, chunks)
@@ -316,14 +316,14 @@ class PromptCache:
                 residual = max(residual, done.residual)
                 repair = []
             exact = exact_units == step.start
-            # segments make a prefill exact; after reused content nothing is, so the rest runs in
-            # as few passes as its images allow (larger matrix products run faster)
-            runs = (
-                keys.segments(step.start, step.end) if exact else between(image_edges, step.start, step.end)
-            )
-            for a, b in runs:
+            # rows are stored segment by segment (the grain of exact reuse); the segments run in
+            # as few forward passes as a scheduler's bound and the images allow: the attention
+            # kernel's blocks make a pass cut at segment edges write the KV of one pass
+            # (``agent/adapters/attention.py``), and fewer passes read the weights fewer times
+            segments = keys.segments(step.start, step.end)
+            for group in passes(prompt, segments, batched.pass_tokens(), self._join):
+                a, b = group[0][0], group[-1][1]
                 (inp,) = prompt.inputs_between(a, b)
-                last = b == len(prompt.units)
                 at = int(prompt.pos_off[a])
                 left = prompt.n_tokens - int(prompt.tok_off[a])
                 batched.prefill_left(left, left - inp.n_tokens)
@@ -333,10 +333,11 @@ class PromptCache:
                 if not window.adopt(item):
                     raise RuntimeError("the model did not write its new tokens into the window")
                 placed.append(item)
-                row = TableRow(a, b, keys.store_key(a, b, exact), 0, 0, keys.fingerprint(a, b))
-                rows.append((row, out.kv))
+                for sa, sb, kv in split_pass(prompt, group, out.kv):
+                    row = TableRow(sa, sb, keys.store_key(sa, sb, exact), 0, 0, keys.fingerprint(sa, sb))
+                    rows.append((row, kv))
                 counts["prefilled"] += out.kv.n_tokens
-                if last:
+                if b == len(prompt.units):
                     logits = out.logits[-1]
             exact_units = step.end if exact else exact_units
         if given_up is not None:  # the abandoned attempt's KV let go before the exact one is built

@@ -113,7 +113,11 @@ class Runtime:
         tenant_sessions, tenant_queue = self.limits.tenant_quotas(len(set(self.tenants.values())))
         self.sessions = SessionManager(self.limits.max_sessions, self.limits.session_idle_s, tenant_sessions)
         self.worker = ModelWorker(
-            self.limits.queue_size, tenant_queue, self.limits.max_batch, self.limits.prefill_budget_s
+            self.limits.queue_size,
+            tenant_queue,
+            self.limits.max_batch,
+            self.limits.prefill_budget_s,
+            self.limits.prefill_pass_tokens,
         )
         self.token_bound = TokenBound.of(adapter.tokenizer)
         self.draining = False

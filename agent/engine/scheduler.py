@@ -26,7 +26,9 @@ wants the next token's logits (it joins the next batched decode step) and after 
    ``AGING``-th pass the job that started first, so a long prompt keeps moving however many
    short ones arrive.
 
-A long prompt therefore advances in bounded passes (prefill segments) while the streams already
+A prefill pass takes at most ``pass_tokens`` prompt tokens (``batched.pass_tokens``; whole
+segments, so the KV is that of one pass, see ``agent/adapters/attention.py``): a long prompt
+therefore advances in bounded passes while the streams already
 running get a token every iteration, and short prompts that arrive meanwhile finish their prefill
 first, one after another rather than all together (their first tokens come as early as the model
 allows). A job's tokens do not depend on what it was batched with (``batched.py``).
@@ -54,6 +56,7 @@ T = TypeVar("T")
 MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait their turn
 PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
 AGING = 4  # every AGING-th prefill pass goes to the job that started first
+PASS_TOKENS = 512  # prompt tokens a prefill pass may take: others wait at most one such pass
 
 
 class QueueFullError(RuntimeError):
@@ -88,8 +91,9 @@ class _Runner(batched.Stepper):
     """One running job: its thread, and where it stands (``state``) when it gave the turn back:
     ``decode`` (waits for a batched step's logits), ``pause`` (between passes) or ``done``."""
 
-    def __init__(self, job: _Job, back: threading.Event, order: int) -> None:
+    def __init__(self, job: _Job, back: threading.Event, order: int, pass_tokens: int | None = None) -> None:
         self.job = job
+        self._pass_tokens = pass_tokens
         self.order = order  # when it started: earlier first among equals
         self.left = 0  # prompt tokens still to prefill, as the job last said
         self.queued = False  # whether it has paused before its first prefill pass
@@ -136,6 +140,10 @@ class _Runner(batched.Stepper):
     def pause(self) -> None:
         self._yield("pause")
 
+    @property
+    def pass_tokens(self) -> int | None:
+        return self._pass_tokens
+
     def prefill_left(self, before: int, after: int) -> None:
         if not self.queued:  # a job's first pass waits its turn like any other
             self.queued = True
@@ -156,7 +164,8 @@ class _Runner(batched.Stepper):
 
 class ModelWorker:
     """The model's scheduler: ``queue_size`` waiting jobs, ``tenant_capacity`` places a tenant,
-    ``max_running`` jobs running (and decoding together) at once."""
+    ``max_running`` jobs running (and decoding together) at once, prefill passes of at most
+    ``pass_tokens`` prompt tokens."""
 
     def __init__(
         self,
@@ -164,12 +173,16 @@ class ModelWorker:
         tenant_capacity: int | None = None,
         max_running: int = MAX_RUNNING,
         prefill_budget_s: float = PREFILL_BUDGET_S,
+        pass_tokens: int | None = PASS_TOKENS,
     ) -> None:
         if not 1 <= max_running <= batched.MAX_ROWS:
             raise ValueError(f"max_running must be in 1..{batched.MAX_ROWS}, got {max_running}")
         if not prefill_budget_s >= 0:
             raise ValueError(f"prefill_budget_s must be >= 0, got {prefill_budget_s}")
+        if pass_tokens is not None and pass_tokens < 1:
+            raise ValueError(f"pass_tokens must be >= 1 (or None: no bound), got {pass_tokens}")
         self.prefill_budget_s = prefill_budget_s
+        self.pass_tokens = pass_tokens
         self.capacity = queue_size + 1  # a running job and those waiting
         self.tenant_capacity = min(self.capacity, tenant_capacity or self.capacity)
         self.max_running = max_running
@@ -273,7 +286,7 @@ class ModelWorker:
             with suppress(RuntimeError):  # the event loop is gone: nobody waits
                 job.loop.call_soon_threadsafe(_settle, job.future, None, error)
             return
-        runner = _Runner(job, self._back, next(self._order))
+        runner = _Runner(job, self._back, next(self._order), self.pass_tokens)
         self._running.append(runner)
         runner.resume()  # to its first step
         self._reap()

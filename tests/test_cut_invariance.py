@@ -1,0 +1,215 @@
+"""A prefill cut at block edges writes the KV of one pass, bit for bit: the attention kernel's
+fixed blocks (``agent/adapters/attention.py``), then the prompt cache's exact reuse against the
+engine's one-pass full prefill, under a scheduler's bound on passes and with images."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from agent.adapters import attention, batched
+from agent.adapters.base import ModelAdapter
+from agent.adapters.loading import load_adapter
+from agent.engine.chat import ByteTokenizer, ImagePiece, TextPiece
+from agent.engine.full_prefill import full_prefill
+from agent.engine.generation import SamplingParams
+from agent.engine.prompt_cache import Prompt, PromptCache, build_prompt
+from cache.arena import KVArena
+from cache.store import StoreConfig, TieredStore
+
+BLOCK = attention.BLOCK
+
+
+def prefill_cut(adapter: ModelAdapter, ids: list[int], cuts: list[int]) -> tuple[torch.Tensor, KVArena]:
+    """``ids`` prefilled in passes that end at ``cuts``: the last logits and the arena."""
+    d = adapter.arena_dims
+    arena = KVArena(d.n_layers, d.k, d.v, len(ids) + 4, d.dtype, d.device)
+    cache = adapter.new_cache(arena)
+    edges = [0, *cuts, len(ids)]
+    logits = torch.empty(0)
+    for a, b in itertools.pairwise(edges):
+        logits = adapter.prefill(adapter.text(ids[a:b]), cache, a, placed=True, last_only=True).logits[-1]
+    return logits, arena
+
+
+def same_kv(a: KVArena, b: KVArena, n: int) -> bool:
+    return all(
+        torch.equal(x[..., :n, :], y[..., :n, :])
+        for layer in range(a.n_layers)
+        for x, y in zip(a.views(layer), b.views(layer), strict=True)
+    )
+
+
+def cut_cases(seed: int, n_cases: int, lengths: tuple[int, int]) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n_cases):
+        n = rng.randint(*lengths)
+        edges = list(range(BLOCK, n, BLOCK))
+        cuts = sorted(rng.sample(edges, rng.randint(1, len(edges))))
+        cases.append(([rng.randrange(500) for _ in range(n)], cuts))
+    return cases
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "llama-mha", "neox-partial", "qwen2.5-vl", "qwen3-vl"])
+def test_a_prefill_cut_at_block_edges_writes_the_kv_and_logits_of_one_pass(family: str) -> None:
+    adapter = load_adapter(f"tiny:{family}")
+    assert adapter.attention == attention.NAME
+    assert adapter.cut_invariant
+    for ids, cuts in cut_cases(7, 6, (BLOCK + 3, 5 * BLOCK + 60)):
+        whole_logits, whole = prefill_cut(adapter, ids, [])
+        cut_logits, cut = prefill_cut(adapter, ids, cuts)
+        assert torch.equal(whole_logits, cut_logits), (len(ids), cuts)
+        assert same_kv(whole, cut, len(ids)), (len(ids), cuts)
+
+
+def test_a_prefix_computed_in_another_prompts_pass_continues_as_one_pass() -> None:
+    """The KV of a prefix taken from a longer prompt's pass, then the rest in one pass: the new
+    prompt's one-pass KV and logits (what an exact hit is)."""
+    adapter = load_adapter("tiny:llama-gqa")
+    rng = random.Random(3)
+    for _ in range(4):
+        shared = [rng.randrange(500) for _ in range(rng.randint(BLOCK + 1, 4 * BLOCK))]
+        first = shared + [rng.randrange(500) for _ in range(rng.randint(1, 300))]
+        second = shared + [rng.randrange(500) for _ in range(rng.randint(1, 300))]
+        _, earlier = prefill_cut(adapter, first, [])
+        whole_logits, whole = prefill_cut(adapter, second, [])
+        keep = len(shared) // BLOCK * BLOCK
+        d = adapter.arena_dims
+        arena = KVArena(d.n_layers, d.k, d.v, len(second) + 4, d.dtype, d.device)
+        for layer in range(d.n_layers):
+            k, v = earlier.views(layer)
+            arena.append(layer, k[0, :, :keep], v[0, :, :keep], arena.generation)
+        rest = adapter.prefill(adapter.text(second[keep:]), adapter.new_cache(arena), keep, last_only=True)
+        assert torch.equal(rest.logits[-1], whole_logits)
+        assert same_kv(arena, whole, len(second))
+
+
+def test_the_check_catches_a_kernel_whose_result_depends_on_the_cut() -> None:
+    """Inverse: SDPA's own CPU kernel (key blocks sized by the pass) fails the same comparison."""
+    adapter = load_adapter("tiny:llama-gqa")
+    adapter.model.set_attn_implementation("sdpa")
+    try:
+        differs = 0
+        for ids, cuts in cut_cases(11, 6, (4 * BLOCK + 1, 9 * BLOCK)):
+            whole_logits, whole = prefill_cut(adapter, ids, [])
+            cut_logits, cut = prefill_cut(adapter, ids, cuts)
+            differs += not (torch.equal(whole_logits, cut_logits) and same_kv(whole, cut, len(ids)))
+        assert differs > 0
+    finally:
+        adapter.model.set_attn_implementation(attention.NAME)
+
+
+class _Bounded:
+    """A stand-in scheduler: passes of at most ``pass_tokens``; steps run at once."""
+
+    def __init__(self, pass_tokens: int) -> None:
+        self.pass_tokens = pass_tokens
+        self.passes: list[tuple[int, int]] = []
+
+    def decode(self, adapter: Any, token: int, cache: Any, position: int) -> torch.Tensor:
+        return adapter.decode_rows([token], [cache], [position])[0]
+
+    def pause(self) -> None:
+        pass
+
+    def prefill_left(self, before: int, after: int) -> None:
+        self.passes.append((before, after))
+
+
+def text_prompt(pc: PromptCache, ids: list[int]) -> Prompt:
+    return build_prompt(pc.adapter, [TextPiece(tuple(ids), False)], pc.image_unit)
+
+
+@pytest.mark.parametrize("bound", [None, BLOCK, 3 * BLOCK])
+def test_exact_reuse_equals_the_one_pass_full_prefill_bit_for_bit(bound: int | None) -> None:
+    adapter = load_adapter("tiny:llama-gqa")
+    adapter.tokenizer = ByteTokenizer()
+    pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+    rng = random.Random(5)
+    shared = [rng.randrange(500) for _ in range(700)]
+    pc.commit(pc.prepare(text_prompt(pc, shared + [rng.randrange(500) for _ in range(90)]), mode="exact"))
+    prompt = text_prompt(pc, shared + [rng.randrange(500) for _ in range(260)])
+    stepper = _Bounded(bound) if bound is not None else None
+    batched.bind(stepper)
+    try:
+        warm = pc.prepare(prompt, mode="exact")
+    finally:
+        batched.bind(None)
+    assert warm.usage.prefix_tokens == 700 // BLOCK * BLOCK
+    assert warm.usage.prefilled_tokens == prompt.n_tokens - warm.usage.prefix_tokens
+    if stepper is not None:
+        before = [b - a for b, a in stepper.passes]
+        assert all(n <= bound for n in before)
+        assert len(before) == -(-warm.usage.prefilled_tokens // bound)
+    one = full_prefill(adapter, prompt, SamplingParams(max_tokens=6))
+    assert torch.equal(warm.logits, one.logits)
+    reused = warm.cache.layers
+    d = adapter.arena_dims
+    arena = KVArena(d.n_layers, d.k, d.v, prompt.n_tokens, d.dtype, d.device)
+    cache = adapter.new_cache(arena)
+    adapter.next_logits(adapter.text(prompt.units.tolist()), cache, 0)
+    for layer, mine in zip(cache.layers, reused, strict=True):
+        assert torch.equal(layer.keys[..., : prompt.n_tokens, :], mine.keys[..., : prompt.n_tokens, :])
+        assert torch.equal(layer.values[..., : prompt.n_tokens, :], mine.values[..., : prompt.n_tokens, :])
+    # the segments stored from grouped passes are the grain of the next exact hit
+    pc.commit(warm)
+    again = pc.prepare(prompt, "", mode="exact")
+    assert again.usage.prefix_tokens == (prompt.n_tokens - 1) // BLOCK * BLOCK
+    assert torch.equal(again.logits, one.logits)
+
+
+def test_exact_reuse_after_an_image_equals_the_full_prefill() -> None:
+    adapter = load_adapter("tiny:qwen2.5-vl")
+    adapter.tokenizer = ByteTokenizer()
+    pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+    rng = random.Random(9)
+    image = Image.new("RGB", (56, 56), (200, 30, 90))
+    head = tuple(rng.randrange(500) for _ in range(150))
+    tail = tuple(rng.randrange(500) for _ in range(300))
+
+    def prompt(extra: int) -> Prompt:
+        pieces = [TextPiece(head, False), ImagePiece(image), TextPiece(tail + tuple(range(1, extra)), False)]
+        return build_prompt(adapter, pieces, pc.image_unit)
+
+    pc.commit(pc.prepare(prompt(20), mode="exact"))
+    second = prompt(200)
+    warm = pc.prepare(second, mode="exact")
+    assert warm.usage.prefix_tokens > len(head)  # past the image
+    one = full_prefill(adapter, second, SamplingParams(max_tokens=4))
+    assert torch.equal(warm.logits, one.logits)
+
+
+def test_a_mixture_of_experts_keeps_its_segments_and_its_exact_reuse() -> None:
+    """Routed experts run each expert's product on the tokens routed to it, so a token's sums
+    depend on its pass: such a model is not cut invariant, its prefill runs segment by segment,
+    and exact reuse still equals its full prefill bit for bit."""
+    adapter = load_adapter("tiny:deepseek-mla")
+    adapter.tokenizer = ByteTokenizer()
+    assert not adapter.cut_invariant
+    pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+    rng = random.Random(4)
+    shared = [rng.randrange(500) for _ in range(300)]
+    pc.commit(pc.prepare(text_prompt(pc, [*shared, 1, 2, 3]), mode="exact"))
+    prompt = text_prompt(pc, shared + [rng.randrange(500) for _ in range(140)])
+    stepper = _Bounded(4 * BLOCK)
+    batched.bind(stepper)
+    try:
+        warm = pc.prepare(prompt, mode="exact")
+    finally:
+        batched.bind(None)
+    assert warm.usage.prefix_tokens == 256
+    assert all(b - a <= BLOCK for b, a in stepper.passes)
+    assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
+
+
+def test_a_pass_bound_below_one_is_refused() -> None:
+    from agent.engine.scheduler import ModelWorker
+
+    with pytest.raises(ValueError, match="pass_tokens"):
+        ModelWorker(4, pass_tokens=0)
