@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.store_share",
         "kamera serve processes on one store directory, against one process and separate directories",
     ),
+    "prefill-tax": (
+        "bench.prefill_tax",
+        "an exact, storable prefill against the fastest one-pass prefill, per prompt length",
+    ),
     "video-costs": (
         "bench.video_costs",
         "a frame's encode, prefill and decode at Qwen2.5-VL-3B/7B widths; modelled TTFT with KV reuse",

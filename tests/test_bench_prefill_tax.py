@@ -1,0 +1,36 @@
+"""``kamera bench prefill-tax`` on a tiny model: every way runs, the prompt cache's exact prefill
+equals the one-pass full prefill bit for bit, and the server's bound shows in its passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import prefill_tax
+
+
+def test_the_prefill_tax_benchmark_reports_every_way(tmp_path: Path) -> None:
+    out = tmp_path / "tax.json"
+    code = prefill_tax.main(
+        [
+            "--model",
+            "tiny:llama-gqa",
+            "--lengths",
+            "130,300",
+            "--repeats",
+            "1",
+            "--pass-tokens",
+            "128",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [r["tokens"] for r in report["rows"]] == [130, 300]
+    for row in report["rows"]:
+        assert set(row["seconds"]) == set(prefill_tax.WAYS)
+        assert all(v > 0 for v in row["seconds"].values())
+        assert row["exact_equal"] == {"cache_exact": True, "cache_exact_server": True}
+        assert row["server_passes"] == -(-row["tokens"] // 128)
+        assert min(row["over_fastest"]["one_pass"], row["over_fastest"]["one_pass_sdpa"]) == 1.0
