@@ -412,6 +412,22 @@ def test_context_keys_hash_each_chunk_id_once(adapter: ModelAdapter, monkeypatch
     assert len(hashed) == 34  # the cut window's keys were kept: one new id
 
 
+def test_a_cut_leaves_the_kept_chunks_where_they_are(adapter: ModelAdapter) -> None:
+    """Cutting the window back (as a question whose window shares a leading run with the last one
+    does) rewrites nothing: the kept chunks' keys stay as placed, the cut tail is given up."""
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    cm = ContextManager(
+        adapter, store, WindowConfig(budget_tokens=4096, keep="conditioned"), TextInput(torch.arange(2, 8))
+    )
+    ids = cm.append_many(pool(6))
+    cm.cache()
+    rotated, rebuilds = cm.counters.tokens_rotated, cm.counters.rebuilds
+    assert cm.cut(3, store=False) == ids[:2:-1]
+    cm.cache()
+    assert (cm.counters.tokens_rotated, cm.counters.rebuilds) == (rotated, rebuilds)
+    assert cm.exact_run(ids) == 3
+
+
 def test_exact_run_counts_only_kv_computed_after_the_chunks_in_front_of_it(adapter: ModelAdapter) -> None:
     store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
     cm = ContextManager(
