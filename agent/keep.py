@@ -94,9 +94,7 @@ class Keeper:
         records.put_patch(self.store, chunk_id, context, fit.patch)
 
     @torch.inference_mode()
-    def fit_orbits(
-        self, prefix: ChunkKV, chunks: Sequence[tuple[str, ChunkInput, bool]]
-    ) -> int:
+    def fit_orbits(self, prefix: ChunkKV, chunks: Sequence[tuple[str, ChunkInput, bool]]) -> int:
         """Orbit patches for the set of ``(chunk id, input, finalized)`` after ``prefix``: the set
         prefilled in ``orbit_orderings`` sampled orderings, each chunk's deltas from its canonical
         KV fitted into one patch. Returns the patches stored."""

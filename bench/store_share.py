@@ -196,8 +196,6 @@ class Server:
         self._log.close()
 
 
-
-
 class Turn(NamedTuple):
     server: int
     conversation: int

@@ -126,8 +126,9 @@ def blocked_forward(
         end = min((start // BLOCK + 1) * BLOCK, k_len)
         n, r0 = end - start, start - offset
         # the group's query heads as rows of one product against their shared key head
-        q = grouped[:, :, :, r0 : r0 + n].reshape(b, kv_heads, groups * n, dim)
-        scores = torch.matmul(q, key[:, :, :end].transpose(-1, -2)).mul_(scale)
+        # (scaled before the product: the scores, the largest tensor here, are written once less)
+        q = grouped[:, :, :, r0 : r0 + n].reshape(b, kv_heads, groups * n, dim) * scale
+        scores = torch.matmul(q, key[:, :, :end].transpose(-1, -2))
         rows = scores.view(b, kv_heads, groups, n, end)
         if attention_mask is not None:
             allowed = attention_mask[:, :, r0 : r0 + n, :end]
