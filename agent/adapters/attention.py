@@ -3,29 +3,28 @@ attention without copying the cache.
 
 **Cut invariance.** A prompt prefilled in one pass and the same prompt prefilled in several
 passes (a cached prefix placed, the rest computed after it) must give the same KV bit for bit, or
-an exact cache hit is not exact. SDPA's CPU kernel does not: it splits the keys into blocks
-whose size depends on how many keys the pass sees (all of them below 512, else 512 at a time) and
-takes each query's softmax block by block, so a row's sums depend on where the pass began and
-ended. :func:`blocked_forward` computes every query row in a fixed block of ``BLOCK`` rows,
-aligned to multiples of ``BLOCK`` in the sequence (and to the pass's own start), against exactly
-the keys up to that block's end: one matrix product for the scores, the softmax over whole rows,
-one product with the values. A row's block, and so every shape and every sum it goes through,
-is the same whether the pass that computed it began at 0 or at any multiple of ``BLOCK`` after
-the row's own block began, and whether the prompt goes on after it or not. With the
-row-wise layers (norms, projections, MLP: products whose rows do not mix), a prefill cut at
-multiples of ``BLOCK`` tokens therefore writes the KV and logits of one pass
-(``tests/test_cut_invariance.py``). It costs about what SDPA costs on prompts of a few thousand
-tokens (``docs/consistency.md``).
+an exact cache hit is not exact. SDPA's CPU kernel over a whole pass does not: it tiles the
+queries and the keys by sizes chosen from how many the pass holds (keys: all of them below 512,
+else 512 at a time) and takes each query's softmax tile by tile, so a row's sums depend on where
+the pass began and ended. :func:`blocked_forward` cuts the pass's queries into fixed blocks of
+``BLOCK`` rows, aligned to multiples of ``BLOCK`` in the sequence (and to the pass's own start),
+and runs SDPA once per block, over exactly the keys up to the block's end. A row's block, and so
+every shape, tile and sum it goes through, is the same whether the pass that computed it began
+at 0 or at any multiple of ``BLOCK`` up to the row's own block, and whether the prompt goes on
+after it or not. With the row-wise layers (norms, projections, MLP: products whose rows do not
+mix, on at least 12 rows, see ``decoder.PASS_MIN_ROWS``), a prefill cut at multiples of ``BLOCK``
+tokens therefore writes the KV and logits of one pass (``tests/test_cut_invariance.py``). What it
+costs against SDPA over the whole pass: ``kamera bench prefill-tax`` (``docs/prefill_tax.md``).
 
 Decode steps (one query row), masks given as additive numbers (selective recompute), sliding
-windows, soft caps, attention sinks and non-causal layers (vision towers) go to SDPA as before.
+windows, soft caps, attention sinks and non-causal layers (vision towers) go to SDPA whole.
 
 **Grouped heads.** transformers' ``sdpa`` attention uses SDPA's native grouped-query path only
 when there is no attention mask; with one (a few new tokens over a cached window always have one)
 it repeats every cached key and value head ``groups`` times first: a copy of the whole window per
-layer per forward pass. On CPU, SDPA takes the mask and the grouped heads together (same result, checked in
-``tests/test_adapters.py``), so this implementation passes ``enable_gqa`` whenever a layer has
-grouped heads and leaves everything else to transformers' own function.
+layer per forward pass. On CPU, SDPA takes the mask and the grouped heads together (same result,
+checked in ``tests/test_adapters.py``), so both paths here pass ``enable_gqa`` whenever a layer
+has grouped heads.
 
 Registered as ``kamera_blocked`` (attention and mask interfaces); :class:`DecoderAdapter` switches
 a model on the CPU to it when the model uses ``sdpa``.
@@ -99,7 +98,7 @@ def blocked_forward(
 ) -> tuple[torch.Tensor, None]:
     """Causal attention of the pass's queries (the last ``Q`` of the ``K`` keys) in blocks of
     ``BLOCK`` rows aligned to the sequence (module docstring); ``[B, Q, H, D_v]``."""
-    b, heads, q_len, dim = query.shape
+    b, heads, q_len, _ = query.shape
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if (
         q_len == 1
@@ -118,29 +117,27 @@ def blocked_forward(
     offset = k_len - q_len  # the queries are the last q_len keys' tokens
     if offset < 0 or groups * kv_heads != heads:
         raise ValueError(f"attention of {q_len} queries over {k_len} keys, {heads} heads on {kv_heads}")
-    scale = scaling if scaling is not None else dim**-0.5
-    grouped = query.view(b, kv_heads, groups, q_len, dim)
-    out = query.new_empty(b, q_len, kv_heads, groups, v_dim)
+    out = query.new_empty(b, q_len, heads, v_dim)
     start = offset
     while start < k_len:
         end = min((start // BLOCK + 1) * BLOCK, k_len)
         n, r0 = end - start, start - offset
-        # the group's query heads as rows of one product against their shared key head
-        # (scaled before the product: the scores, the largest tensor here, are written once less)
-        q = grouped[:, :, :, r0 : r0 + n].reshape(b, kv_heads, groups * n, dim) * scale
-        scores = torch.matmul(q, key[:, :, :end].transpose(-1, -2))
-        rows = scores.view(b, kv_heads, groups, n, end)
         if attention_mask is not None:
             allowed = attention_mask[:, :, r0 : r0 + n, :end]
-            rows.masked_fill_(~allowed[:, :, None], float("-inf"))
-        else:
-            later = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1)
-            rows[..., start:end].masked_fill_(later, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, value[:, :, :end])
-        out[:, r0 : r0 + n] = o.view(b, kv_heads, groups, n, v_dim).permute(0, 3, 1, 2, 4)
+        else:  # row i of the block (sequence index start + i) sees the keys up to its own
+            allowed = torch.ones(n, end, dtype=torch.bool, device=query.device).tril_(start)
+        # one SDPA call per block: its shapes, and so its tiles and sums, are the block's own
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, r0 : r0 + n],
+            key[:, :, :end],
+            value[:, :, :end],
+            attn_mask=allowed,
+            scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        out[:, r0 : r0 + n] = o.transpose(1, 2)
         start = end
-    return out.view(b, q_len, heads, v_dim), None
+    return out, None
 
 
 AttentionInterface.register(NAME, blocked_forward)
