@@ -1,5 +1,5 @@
 """Guarded decoding on repaired KV: a close call moves decoding to exact KV, and the answer is a
-full prefill's (tiny random model, greedy)."""
+full prefill's (tiny random model, greedy and sampled with a seed)."""
 
 from __future__ import annotations
 
@@ -72,15 +72,51 @@ def test_text_already_streamed_is_kept_and_what_differs_is_counted(llama: Any) -
     assert "".join(sent) == out.text
 
 
-def test_a_guard_never_escalates_sampled_decoding(llama: Any) -> None:  # noqa: F811
-    pc, moved, _, _, _ = _setup(llama)
-    guard = Scripted(pc, moved, quiet=0)
-    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
-    prepared = pc.prepare(moved, mode="fast")
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
+
+
+def _sampled(pc: PromptCache, prepared: Any, params: SamplingParams = SAMPLED, **kw: Any) -> Any:
     cache, position = prepared.cache, prepared.position
-    out = decode(llama, prepared.logits, cache, position, params, threading.Event(), guard=guard)
-    assert guard.escalations == 0
-    assert out.escalated_at is None
+    return decode(pc.adapter, prepared.logits, cache, position, params, threading.Event(), **kw)
+
+
+def test_sampled_decoding_under_a_guard_draws_what_exact_kv_draws_with_its_seed(llama: Any) -> None:  # noqa: F811
+    """The guard watches sampled steps too (logits plus the step's noise): after a close call the
+    tokens drawn on blind KV are replayed with the same noise on exact KV and rewound at the first
+    that differs, so the answer is the exact path's draw for that seed."""
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    moved = prompt_of(pc, MOVED)
+    reference = _sampled(pc, pc.prepare(moved, "reference")).tokens
+    blind = _sampled(pc, pc.prepare(moved, mode="fast")).tokens
+    assert _sampled(pc, pc.prepare(moved, "reference again")).tokens == reference  # seeded
+    d = next(i for i, (a, b) in enumerate(zip(blind, reference, strict=False)) if a != b)
+    assert d + 2 < SAMPLED.max_tokens
+    guard = Scripted(pc, moved, quiet=d + 2)
+    out = _sampled(pc, pc.prepare(moved, mode="fast"), guard=guard)
+    assert (guard.escalations, out.escalated_at) == (1, d + 2)
+    assert out.tokens == reference
+    quiet = Scripted(pc, moved, quiet=10**6)  # every call clear: the blind draw stands
+    assert _sampled(pc, pc.prepare(moved, mode="fast"), guard=quiet).tokens == blind
+    assert quiet.escalations == 0
+
+
+def test_no_sampled_step_under_a_nucleus_is_clear(llama: Any) -> None:  # noqa: F811
+    """With top_p < 1 the nucleus moves with the logits: a guard moves to exact KV at once, and
+    ``answer`` prepares such a request exact rather than repair it."""
+    pc = make_cache(llama)
+    pc.commit(pc.prepare(prompt_of(pc, FIRST)))
+    moved = prompt_of(pc, MOVED)
+    nucleus = dataclasses.replace(SAMPLED, top_p=0.9)
+    reference = _sampled(pc, pc.prepare(moved, "reference"), nucleus).tokens
+    guard = Scripted(pc, moved, quiet=10**6)
+    out = _sampled(pc, pc.prepare(moved, mode="fast"), nucleus, guard=guard)
+    assert (guard.escalations, out.escalated_at) == (1, 0)
+    assert out.tokens == reference
+    served = answer(pc, moved, "", "repair", nucleus)
+    assert served.usage.mode == "exact"
+    assert served.usage.relocated_tokens == 0
+    assert served.decoded.tokens == reference
 
 
 def _after_first(adapter: Any, **config: Any) -> tuple[PromptCache, Any]:

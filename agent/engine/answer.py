@@ -74,7 +74,11 @@ def answer(
     constraint: Constraint | None = None,
     on_start: Callable[[], None] | None = None,
 ) -> Answer:
-    """``prompt`` answered in ``mode`` (None: the cache's default); its new KV committed."""
+    """``prompt`` answered in ``mode`` (None: the cache's default); its new KV committed. A
+    sampled request with ``top_p`` < 1 is answered in ``exact`` for ``repair``: the guard cannot
+    bound a nucleus that moves with the logits (``generation.py``)."""
+    if params.temperature > 0.0 and params.top_p < 1.0 and (mode or pc.config.mode) == "repair":
+        mode = "exact"
     prepared = pc.prepare(prompt, tenant_salt, mode)
     if on_start is not None:
         on_start()

@@ -11,11 +11,17 @@ Under a grammar (``grammar.Constraint``) the tokens it does not allow get ``-inf
 sampling, and generation stops as soon as the grammar is complete. Log probabilities are the
 model's own (its logits before the mask, the temperature and top_p), as a client would score text.
 
-A :class:`Guard` watches greedy decoding on approximate KV (``repair`` reuse): at the first step
-whose best two logits (among the allowed tokens) lie closer than ``guard.margin``, where the small
+A :class:`Guard` watches decoding on approximate KV (``repair`` reuse): at the first step whose
+best two candidates (among the allowed tokens) lie closer than ``guard.margin``, where the small
 error of reused KV could flip the choice, decoding moves to the exact cache the guard builds (the
-prompt as a full prefill computes it). The tokens chosen so far are replayed on it one at a time,
-as a full prefill's decode runs them, each checked against the exact choice; at the first that
+prompt as a full prefill computes it). Greedy steps compare logits; sampled steps compare the
+logits plus the step's Gumbel noise (:class:`Sampler`), which is what they take the argmax of and
+which is the same on every cache for the same seed and step: so a sampled request under the
+guard draws the tokens its exact KV would draw with that seed, under the same condition as a
+greedy one (every logit's error below half the margin). With ``top_p`` < 1 the nucleus itself
+can move with the logits: no step is clear, and ``answer.py`` prepares such requests exact.
+The tokens chosen so far are replayed on the exact cache one at a time, as a full prefill's
+decode runs them, each checked against the exact choice; at the first that
 differs, decoding rewinds there when nothing was handed out yet (no ``on_text``, no grammar), and
 otherwise goes on with the text as sent and counts the tokens that differ (``Decoded.diverged``).
 From then on every token is the exact path's.
@@ -107,19 +113,33 @@ class Guard(Protocol):
 
 
 class Sampler:
+    """Greedy at temperature 0; otherwise the Gumbel-max draw: the token whose logit plus
+    ``temperature`` times Gumbel noise is largest, among the nucleus when ``top_p`` < 1. That is a
+    draw from softmax(logits / temperature) (over the nucleus), and the noise of step ``k`` comes
+    from a generator seeded by (``seed``, ``k``), so the same request draws the same noise at the
+    same step on any cache. A step's choice is then the argmax of :meth:`scores`, which a guard
+    reads as it reads greedy logits (``decode``)."""
+
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = torch.Generator().manual_seed(params.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.params.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        if self.params.top_p < 1.0:
+    def scores(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """What step ``step`` takes the argmax of, in logit units (greedy: the logits)."""
+        p = self.params
+        if p.temperature == 0.0:
+            return logits.float()
+        x = logits.float().cpu()
+        if p.top_p < 1.0:
+            probs = torch.softmax(x / p.temperature, dim=-1)
             sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < self.params.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p  # always keeps the top token
+            x = x.index_fill(0, order[drop], float("-inf"))
+        generator = torch.Generator().manual_seed((p.seed * 1_000_003 + step) % (1 << 63))
+        u = torch.rand(x.shape, generator=generator).clamp_(min=1e-20, max=1.0 - 1e-7)
+        return x - p.temperature * torch.log(-torch.log(u))
+
+    def __call__(self, logits: torch.Tensor, step: int = 0) -> int:
+        return int(self.scores(logits, step).argmax())
 
 
 class TextStream:
@@ -201,10 +221,11 @@ def decode(
     stream = TextStream(adapter.tokenizer, params.stop)
     logprobs: list[TokenLogprob] = []
     sent = 0  # logprobs already handed to on_text
-    watch = guard is not None and params.temperature == 0.0
+    watch = guard is not None
     masks: list[torch.Tensor] = []  # each step's allowed tokens, kept while a guard watches a grammar
     escalated_at: int | None = None
     diverged = 0
+    steps = 0  # the step whose token is chosen next (its noise, when sampling)
 
     def allowed_now(logits: torch.Tensor) -> torch.Tensor | None:
         if constraint is None:
@@ -217,7 +238,9 @@ def decode(
         return allowed
 
     def choose(logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
-        token = sample(logits if allowed is None else _masked(logits, allowed))
+        nonlocal steps
+        token = sample(logits if allowed is None else _masked(logits, allowed), steps)
+        steps += 1
         if params.logprobs:
             logprobs.append(token_logprob(logits, token, params.top_logprobs))
         return token
@@ -228,23 +251,33 @@ def decode(
             on_text(delta, logprobs[sent:])
             sent = len(logprobs)
 
+    def clear(logits: torch.Tensor, allowed: torch.Tensor | None) -> bool:
+        """Whether this step's choice stands on approximate KV: the best two of what it takes the
+        argmax of lie at least the guard's margin apart. A nucleus (top_p < 1) can change with
+        the logits however far apart they are: no step under it is clear."""
+        if params.temperature > 0.0 and params.top_p < 1.0:
+            return False
+        scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
+        return _margin(scores, None) >= guard.margin  # type: ignore[union-attr]
+
     def step(logits: torch.Tensor) -> int:
         """The next token: on exact KV from here on if this choice is too close to call."""
-        nonlocal cache, position, escalated_at, diverged, stream
+        nonlocal cache, position, escalated_at, diverged, stream, steps
         allowed = allowed_now(logits)
-        if not watch or escalated_at is not None or _margin(logits, allowed) >= guard.margin:  # type: ignore[union-attr]
+        if not watch or escalated_at is not None or clear(logits, allowed):
             return choose(logits, allowed)
         done = list(stream.tokens)
         escalated_at = len(done)
         cache, logits, position = guard.exact()  # type: ignore[union-attr]
         for j, t in enumerate(done):
             mask = masks[j] if constraint is not None else None
-            if int((logits if mask is None else _masked(logits, mask)).argmax()) != t:
+            if sample(logits if mask is None else _masked(logits, mask), j) != t:
                 if on_text is None and constraint is None:  # nothing handed out: rewind here
                     stream = TextStream(adapter.tokenizer, params.stop)
                     for kept in done[:j]:
                         stream.push(kept)
                     del logprobs[j:]
+                    steps = j
                     return choose(logits, None)
                 diverged = len(done) - j
                 for later in done[j:]:

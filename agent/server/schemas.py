@@ -233,6 +233,11 @@ class CacheReport(BaseModel):
     served: Literal["prefix", "moved", "fallback", "given_up"] = "prefix"
     abandoned_tokens: int = 0  # moved KV placed, then not answered from (fallback, given up)
     repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
+    # the step at which a close call moved decoding to exact KV (None: none), and of the tokens
+    # already sent by then (streamed or under a grammar), how many the exact path would not have
+    # chosen: the answer's text keeps them, the tokens after them are the exact path's
+    escalated_at: int | None = None
+    diverged_tokens: int = 0
     queue_ms: float
     ttft_ms: float
     total_ms: float

@@ -175,6 +175,8 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
         served=u.served,
         abandoned_tokens=u.abandoned_tokens,
         repair_residual=u.repair_residual,
+        escalated_at=outcome.decoded.escalated_at,
+        diverged_tokens=outcome.decoded.diverged,
         queue_ms=round(1000 * (started - arrival), 3),
         ttft_ms=round(1000 * outcome.ttft_s, 3),
         total_ms=round(1000 * outcome.total_s, 3),
