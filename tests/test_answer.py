@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agent.engine.answer import answer, guard_margin
+from agent.engine.chat import Message
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import PromptCache
 from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
@@ -124,6 +125,33 @@ def _after_first(adapter: Any, **config: Any) -> tuple[PromptCache, Any]:
     pc = PromptCache(adapter, make_cache(adapter).store, dataclasses.replace(CONFIG, **config))
     pc.commit(pc.prepare(prompt_of(pc, FIRST)))
     return pc, prompt_of(pc, MOVED)
+
+
+def test_a_fallback_keeps_what_the_attempt_prefilled_exactly(llama: Any) -> None:  # noqa: F811
+    """New text before the moved content is prefilled exactly by the repair attempt; the exact
+    pass that follows (a repair given up, or a close call) places those segments instead of
+    prefilling them again, and counts them as prefilled (this request computed them), not as
+    cached."""
+    doc = " ".join(f"entry {i} holds {i * 7}." for i in range(40))
+    news = " ".join(f"news item {i} came at {i}:00." for i in range(30))
+    first = [Message("system", ("You help.",)), Message("user", (doc, "Sum it up."))]
+    then = [Message("system", ("You help.",)), Message("user", (news, doc, "Sum it up."))]
+    for config, served in (
+        (CONFIG, "given_up"),
+        (dataclasses.replace(CONFIG, repair_margin=1e9, repair_margin_cap=0.0), "fallback"),
+    ):
+        pc = PromptCache(llama, make_cache(llama).store, config)
+        pc.commit(pc.prepare(prompt_of(pc, first)))
+        later = prompt_of(pc, then)
+        reference = _greedy(pc, pc.prepare(later, "reference")).tokens
+        out = answer(pc, later, "", "repair", PARAMS)
+        u = out.usage
+        assert u.served == served
+        assert out.decoded.tokens == reference
+        assert u.abandoned_tokens > 0
+        assert u.prefix_tokens + u.prefilled_tokens == u.prompt_tokens
+        kept = u.prefilled_tokens - u.fallback_tokens  # placed from the attempt, not prefilled again
+        assert kept >= pc.config.block_tokens, (served, u)
 
 
 def test_repair_answers_fall_back_to_exact_kv_and_commit_it(llama: Any) -> None:  # noqa: F811

@@ -15,6 +15,7 @@ from PIL import Image
 from agent.adapters.base import ImageInput
 from agent.adapters.loading import load_adapter
 from agent.engine import reuse
+from agent.engine.answer import answer
 from agent.engine.chat import ByteTokenizer, ImagePiece, Message, TextPiece, render
 from agent.engine.generation import Sampler, SamplingParams, TextStream, decode
 from agent.engine.prompt import PromptKeys, Record
@@ -434,6 +435,31 @@ def test_images_are_atomic_units_found_by_content(qwen_vl: Any) -> None:
     other = pc.prepare(prompt_of(pc, [Message("user", ("look", b, "now"))]))
     assert qwen_vl.vision_encoder_calls == calls + 1  # same size, other pixels: a miss
     assert other.usage.cached_tokens < first.n_tokens - image.n_tokens
+
+
+def test_text_beside_a_reused_image_is_repaired(qwen_vl: Any) -> None:
+    """A document next to an image, found by content after a longer system prompt: repair
+    recomputes its most deviating text tokens (the image keeps its reused KV, read with its
+    features and M-RoPE positions, no encoder call), measures what it left, and a greedy answer
+    under the guard is the full prefill's (a random model deviates far: never given up here)."""
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    pc = PromptCache(qwen_vl, store, dataclasses.replace(CONFIG, repair_margin_cap=0.0))
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8))
+    user = Message("user", ("look at this", image, DOC))
+    pc.commit(pc.prepare(prompt_of(pc, [Message("system", ("brief",)), user])))
+    later = prompt_of(pc, [Message("system", ("a much longer system prompt than before, " * 3,)), user])
+    calls = qwen_vl.vision_encoder_calls
+    repaired = pc.prepare(later, mode="repair")
+    u = repaired.usage
+    assert u.served == "moved"
+    assert u.relocated_tokens > 100
+    assert u.repaired_tokens > 0  # an image beside the text no longer turns repair off
+    assert 0 < u.repair_residual != pc.config.repair_residual_unit  # measured, not assumed
+    assert qwen_vl.vision_encoder_calls == calls
+    reference = greedy(pc, pc.prepare(later, "reference"))
+    out = answer(pc, later, "", "repair", SamplingParams(max_tokens=12))
+    assert out.decoded.tokens == reference
 
 
 def test_render_pieces_follow_the_template() -> None:

@@ -4,7 +4,8 @@ server (``runtime.py``), the consistency benchmark and the demo alike.
 In ``repair`` mode a prompt that reuses content at moved positions or after other antecedents is
 decoded under a guard (``generation.Guard``): repaired KV is close to a full prefill's, not equal,
 so the first greedy step whose best two logits lie closer than the guard's margin moves decoding
-onto the prompt prepared in ``exact`` mode (its exact prefix still reused bit for bit, the rest
+onto the prompt prepared in ``exact`` mode (its exact prefix still reused bit for bit, and the
+segments the repaired attempt had prefilled exactly placed rather than prefilled again; the rest
 prefilled), where the tokens so far are replayed and checked. What is committed is then that
 exact KV, not the repaired one. A prompt whose every step is a clear call keeps the repaired
 KV's speed; one with a close call pays an exact prefill of its reused part, once.
@@ -31,7 +32,7 @@ import torch
 
 from agent.engine.generation import Decoded, SamplingParams, TextCallback, decode
 from agent.engine.prompt import Prompt
-from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage
+from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage, own_exact_prefill
 from agent.grammar import Constraint
 from agent.modes import ReuseMode
 
@@ -108,10 +109,9 @@ def answer(
             final.cache = None
         pc.commit(final)
     if final is not prepared:  # the answer rests on the exact pass: its usage, the attempt noted
-        usage = final.usage._replace(
+        usage = own_exact_prefill(final.usage, usage.prefix_tokens)._replace(
             mode=usage.mode,
             served="fallback",
-            fallback_tokens=final.usage.prefilled_tokens,
             abandoned_tokens=usage.relocated_tokens,
             repair_residual=usage.repair_residual,
             vision_encoder_calls=usage.vision_encoder_calls + final.usage.vision_encoder_calls,

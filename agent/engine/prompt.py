@@ -77,6 +77,16 @@ class Prompt:
                 edges += [int(self.piece_unit[p]), int(self.piece_unit[p + 1])]
         return np.unique(np.asarray(edges, dtype=np.int64))
 
+    def text_rows(self, a: int, b: int) -> torch.Tensor:
+        """Token indices of the text units among units [a, b) (an image's tokens left out)."""
+        rows: list[torch.Tensor] = []
+        for p, inp in enumerate(self.inputs):
+            s, e = int(self.piece_unit[p]), int(self.piece_unit[p + 1])
+            lo, hi = max(a, s), min(b, e)
+            if lo < hi and not isinstance(inp, ImageInput):
+                rows.append(torch.from_numpy(self.tok_off[lo:hi].astype(np.int64)))
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
     def key_parts(self, a: int, b: int) -> list[np.ndarray | str]:
         """Units [a, b) as ``span_key`` parts: text token ids, images by content key."""
         out: list[np.ndarray | str] = []

@@ -58,11 +58,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
+import numpy as np
 import torch
 
 from agent.adapters import attention, batched
 from agent.adapters.base import ImageInput, ModelAdapter
-from agent.adapters.vision import encoder_calls
+from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.engine.prompt import (
     NoImagesError,
     Prompt,
@@ -179,8 +180,9 @@ class PromptUsage(NamedTuple):
     mode: ReuseMode = "exact"
     repaired_tokens: int = 0  # of relocated_tokens, recomputed through every layer by repair
     shared_tokens: int = 0  # of the reused tokens, those whose KV came from the shared tier (Redis)
-    # prefilled again when a too-close call moved decoding to exact KV (a repair given up before
-    # decoding: the exact prefill, the same as prefilled_tokens)
+    # prefilled again when a too-close call moved decoding to exact KV, or for a repair given up
+    # before decoding: what the exact pass prefilled (the segments the repair attempt had already
+    # prefilled exactly are placed, not prefilled again, and count in prefilled_tokens only)
     fallback_tokens: int = 0
     # the deviation from this context that repair measured and left unrecomputed, the largest
     # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin scales with
@@ -196,6 +198,19 @@ class PromptUsage(NamedTuple):
     def cached_tokens(self) -> int:
         """Prompt tokens whose cached KV the answer was computed from."""
         return self.prefix_tokens + self.relocated_tokens
+
+
+def own_exact_prefill(usage: PromptUsage, cached_prefix: int) -> PromptUsage:
+    """The usage of an exact pass that followed a repair attempt of the same request: of its
+    exact prefix, only ``cached_prefix`` tokens came from earlier prompts; the rest the attempt
+    prefilled exactly (and stored), which the answer rests on as prefilled tokens.
+    ``fallback_tokens``: what the exact pass prefilled again."""
+    own = max(0, usage.prefix_tokens - cached_prefix)
+    return usage._replace(
+        prefix_tokens=usage.prefix_tokens - own,
+        prefilled_tokens=usage.prefilled_tokens + own,
+        fallback_tokens=usage.prefilled_tokens,
+    )
 
 
 @dataclass
@@ -281,6 +296,7 @@ class PromptCache:
         placed: list[Placement] = []  # the window, in order: reused parts and prefilled segments
         repair: list[tuple[int, int]] = []  # reused unit spans to repair
         rows: list[tuple[TableRow, ChunkKV | None]] = []
+        exact_rows: list[tuple[TableRow, ChunkKV]] = []  # prefilled exactly by this attempt
         cache: Any = None
         logits: torch.Tensor | None = None
         exact_units = 0
@@ -336,13 +352,21 @@ class PromptCache:
                 for sa, sb, kv in split_pass(prompt, group, out.kv):
                     row = TableRow(sa, sb, keys.store_key(sa, sb, exact), 0, 0, keys.fingerprint(sa, sb))
                     rows.append((row, kv))
+                    if exact:
+                        exact_rows.append((row, kv))
                 counts["prefilled"] += out.kv.n_tokens
                 if b == len(prompt.units):
                     logits = out.logits[-1]
             exact_units = step.end if exact else exact_units
+        if mode == "repair" and (given_up is not None or counts["relocated"]):
+            # an exact pass may follow (a repair given up, a close call): what this attempt
+            # prefilled exactly is stored now, so that pass places it instead of prefilling it again
+            self._hold(exact_rows)
         if given_up is not None:  # the abandoned attempt's KV let go before the exact one is built
-            cache = window = placed = rows = None  # type: ignore[assignment]
-            return self._exact_instead(prompt, tenant_salt, given_up, encoder_before, counts["relocated"])
+            cache = window = placed = rows = exact_rows = None  # type: ignore[assignment]
+            return self._exact_instead(
+                prompt, tenant_salt, given_up, encoder_before, counts["relocated"], counts["prefix"]
+            )
         if logits is None or cache is None:  # _steps always leaves the last unit a miss
             raise RuntimeError("the prompt's last token was not prefilled")
         usage = PromptUsage(
@@ -362,41 +386,72 @@ class PromptCache:
         position = int(prompt.pos_off[-1])
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
+    def _hold(self, rows: list[tuple[TableRow, ChunkKV]]) -> None:
+        """Store exactly prefilled segments before the prompt is committed (the commit then finds
+        them there and writes nothing twice)."""
+        for row, kv in rows:
+            if row.key not in self.store:
+                records.put_kv(self.store, row.key, kv, row.tokens)
+
     def _exact_instead(
-        self, prompt: Prompt, tenant_salt: str, residual: float, encoder_before: int, abandoned: int
+        self,
+        prompt: Prompt,
+        tenant_salt: str,
+        residual: float,
+        encoder_before: int,
+        abandoned: int,
+        cached_prefix: int,
     ) -> Prepared:
         """A repair given up (its residual beyond ``give_up_residual``): the prompt prepared exact,
         its usage in repair mode with the exact prefill counted as a fallback, the ``abandoned``
-        moved tokens, and the vision encoder runs of both attempts."""
+        moved tokens, and the vision encoder runs of both attempts. The exact pass places what the
+        attempt prefilled exactly (:meth:`_hold`); that is counted as prefilled, not as cached:
+        only the attempt's own exact prefix (``cached_prefix`` tokens) came from earlier prompts."""
         prepared = self.prepare(prompt, tenant_salt, "exact")
-        prepared.usage = prepared.usage._replace(
+        prepared.usage = own_exact_prefill(prepared.usage, cached_prefix)._replace(
             mode="repair",
             served="given_up",
             abandoned_tokens=abandoned,
-            fallback_tokens=prepared.usage.prefilled_tokens,
             repair_residual=residual,
             vision_encoder_calls=encoder_calls(self.adapter) - encoder_before,
         )
         return prepared
 
     def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> Repaired:
-        """Recompute, through every layer, the most deviating tokens of the reused ``spans``
+        """Recompute, through every layer, the most deviating text tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
-        Returns the tokens recomputed and the deviation left; where nothing can be recomputed
-        (no ratio, images, MLA) nothing is measured either, and the residual reported is the unit
-        (the guard's margin as set)."""
+        An image inside or before the spans keeps its reused KV and is read as the model reads it
+        (its vision features at its tokens, its M-RoPE positions), so the text next to it is
+        repaired all the same. Returns the tokens recomputed and the deviation left; where
+        nothing can be recomputed (no ratio, MLA, no text among the spans) nothing is measured
+        either, and the residual reported is the unit (the guard's margin as set)."""
         ratio = self.config.repair_ratio
         unmeasured = Repaired(0, self.config.repair_residual_unit)
-        if ratio <= 0 or not self.adapter.supports_recompute:
+        adapter = self.adapter
+        if ratio <= 0:
             return unmeasured
-        if any(isinstance(i, ImageInput) for a, b in spans for i in prompt.inputs_between(a, b)):
+        n = adapter.cache_length(cache)
+        upto = int(np.searchsorted(prompt.tok_off, n))  # the units the cache holds
+        if int(prompt.tok_off[upto]) != n:
             return unmeasured
-        n = self.adapter.cache_length(cache)
-        ids = ids_upto(prompt, n)
-        candidates = torch.cat(
-            [torch.arange(int(prompt.tok_off[a]), int(prompt.tok_off[b])) for a, b in spans]
-        )
-        positions = torch.arange(n, dtype=torch.int64)
+        candidates = torch.cat([prompt.text_rows(a, b) for a, b in spans])
+        if candidates.numel() == 0:
+            return unmeasured
+        inputs: torch.Tensor
+        if not prompt.has_image(0, upto):
+            if not adapter.supports_recompute:
+                return unmeasured
+            inputs, positions = ids_upto(prompt, n), torch.arange(n, dtype=torch.int64)
+        else:
+            if not isinstance(adapter, VisionAdapter) or adapter.family != "gqa":
+                return unmeasured
+            embeds, where, u = [], [], 0
+            for inp in prompt.inputs_between(0, upto):
+                rel, _ = adapter.chunk_positions(inp)
+                embeds.append(adapter.embed(inp))
+                where.append(rel + int(prompt.pos_off[u]))
+                u += 1 if isinstance(inp, ImageInput) else inp.n_tokens
+            inputs, positions = torch.cat(embeds), torch.cat(where, dim=-1)
         selection = DeviationSelection(
             ratio,
             candidates,
@@ -404,7 +459,7 @@ class PromptCache:
             max_ratio=max(ratio, self.config.repair_max_ratio),
             target_residual=self.config.repair_residual_unit,
         )
-        return recompute_into(self.adapter, cache, ids, positions, selection)
+        return recompute_into(adapter, cache, inputs, positions, selection)
 
     # --- commit: store new segments, index the prompt -----------------------------------
 
