@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -206,6 +207,43 @@ def test_a_mixture_of_experts_keeps_its_segments_and_its_exact_reuse() -> None:
     assert warm.usage.prefix_tokens == 256
     assert all(b - a <= BLOCK for b, a in stepper.passes)
     assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
+
+
+def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
+    """A job alone may prefill ``pass_tokens`` at once; while another job runs, a quarter of it
+    (the other's turns come between passes); alone again, the whole bound."""
+    import asyncio
+    import time
+
+    from agent.engine.scheduler import ModelWorker
+
+    worker = ModelWorker(queue_size=4, pass_tokens=512)
+    seen: dict[str, list[int | None]] = {"a": [], "b": []}
+
+    def job(name: str, passes: int, left: int) -> None:
+        for i in range(passes):
+            batched.prefill_left(left - i, left - i - 1)  # b, nearly done, takes the turns first
+            seen[name].append(batched.pass_tokens())
+            batched.pause()
+            time.sleep(0.004)
+
+    async def main() -> None:
+        worker.admit()
+        first = asyncio.ensure_future(worker.run(lambda: job("a", 150, 10_000), threading.Event()))
+        await asyncio.sleep(0.06)
+        worker.admit()
+        await worker.run(lambda: job("b", 3, 10), threading.Event())
+        worker.leave()
+        await first
+        worker.leave()
+
+    asyncio.run(main())
+    worker.shutdown()
+    a = seen["a"]
+    assert a[0] == 512
+    assert seen["b"] == [128, 128, 128]
+    assert 128 in a
+    assert a[-1] == 512
 
 
 def test_a_pass_bound_below_one_is_refused() -> None:

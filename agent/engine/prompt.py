@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -226,27 +226,29 @@ def between(cuts: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
 
 
 def passes(
-    prompt: Prompt, segments: Sequence[tuple[int, int]], cap: int | None, join: bool = True
-) -> list[list[tuple[int, int]]]:
-    """``segments`` (consecutive unit spans) grouped into forward passes: text segments join one
-    pass while it stays within ``cap`` tokens (None: no bound; a segment longer than the cap
-    runs alone); an image segment is a pass of its own, so passes begin and end at image edges.
-    ``join`` False (a model whose KV depends on how its prefill was cut): one pass a segment."""
-    out: list[list[tuple[int, int]]] = []
+    prompt: Prompt,
+    segments: Sequence[tuple[int, int]],
+    cap: Callable[[], int | None],
+    join: bool = True,
+) -> Iterator[list[tuple[int, int]]]:
+    """``segments`` (consecutive unit spans) grouped into forward passes, one at a time: text
+    segments join one pass while it stays within ``cap()`` tokens, asked as each pass begins (None:
+    no bound; a segment longer than the cap runs alone); an image segment is a pass of its own, so
+    passes begin and end at image edges. ``join`` False (a model whose KV depends on how its
+    prefill was cut): one pass a segment."""
     group: list[tuple[int, int]] = []
-    tokens, text = 0, True
+    tokens, text, bound = 0, True, cap()
     for a, b in segments:
         n = int(prompt.tok_off[b] - prompt.tok_off[a])
         is_text = not prompt.has_image(a, b)
-        if group and (not (join and is_text and text) or (cap is not None and tokens + n > cap)):
-            out.append(group)
-            group, tokens = [], 0
+        if group and (not (join and is_text and text) or (bound is not None and tokens + n > bound)):
+            yield group
+            group, tokens, bound = [], 0, cap()
         group.append((a, b))
         tokens += n
         text = is_text
     if group:
-        out.append(group)
-    return out
+        yield group
 
 
 def split_pass(

@@ -337,7 +337,7 @@ class PromptCache:
             # kernel's blocks make a pass cut at segment edges write the KV of one pass
             # (``agent/adapters/attention.py``), and fewer passes read the weights fewer times
             segments = keys.segments(step.start, step.end)
-            for group in passes(prompt, segments, batched.pass_tokens(), self._join):
+            for group in passes(prompt, segments, batched.pass_tokens, self._join):
                 a, b = group[0][0], group[-1][1]
                 (inp,) = prompt.inputs_between(a, b)
                 at = int(prompt.pos_off[a])

@@ -26,9 +26,11 @@ wants the next token's logits (it joins the next batched decode step) and after 
    ``AGING``-th pass the job that started first, so a long prompt keeps moving however many
    short ones arrive.
 
-A prefill pass takes at most ``pass_tokens`` prompt tokens (``batched.pass_tokens``; whole
-segments, so the KV is that of one pass, see ``agent/adapters/attention.py``): a long prompt
-therefore advances in bounded passes while the streams already
+A prefill pass takes at most ``pass_tokens`` prompt tokens while its job has the model to
+itself, and a quarter of that (at least ``SHARED_PASS_MIN``) while other jobs run or wait
+(``batched.pass_tokens``, asked as each pass begins; whole segments, so the KV is that of one
+pass, see ``agent/adapters/attention.py``): fewer passes read the weights fewer times, shorter
+ones let others in sooner. A long prompt therefore advances in bounded passes while the streams already
 running get a token every iteration, and short prompts that arrive meanwhile finish their prefill
 first, one after another rather than all together (their first tokens come as early as the model
 allows). A job's tokens do not depend on what it was batched with (``batched.py``).
@@ -57,6 +59,7 @@ MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait t
 PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
 AGING = 4  # every AGING-th prefill pass goes to the job that started first
 PASS_TOKENS = 512  # prompt tokens a prefill pass may take: others wait at most one such pass
+SHARED_PASS_MIN = 128  # and while other jobs run or wait, a quarter of it, at least one segment
 
 
 class QueueFullError(RuntimeError):
@@ -91,7 +94,9 @@ class _Runner(batched.Stepper):
     """One running job: its thread, and where it stands (``state``) when it gave the turn back:
     ``decode`` (waits for a batched step's logits), ``pause`` (between passes) or ``done``."""
 
-    def __init__(self, job: _Job, back: threading.Event, order: int, pass_tokens: int | None = None) -> None:
+    def __init__(
+        self, job: _Job, back: threading.Event, order: int, pass_tokens: Callable[[], int | None]
+    ) -> None:
         self.job = job
         self._pass_tokens = pass_tokens
         self.order = order  # when it started: earlier first among equals
@@ -142,7 +147,7 @@ class _Runner(batched.Stepper):
 
     @property
     def pass_tokens(self) -> int | None:
-        return self._pass_tokens
+        return self._pass_tokens()
 
     def prefill_left(self, before: int, after: int) -> None:
         if not self.queued:  # a job's first pass waits its turn like any other
@@ -286,10 +291,20 @@ class ModelWorker:
             with suppress(RuntimeError):  # the event loop is gone: nobody waits
                 job.loop.call_soon_threadsafe(_settle, job.future, None, error)
             return
-        runner = _Runner(job, self._back, next(self._order), self.pass_tokens)
+        runner = _Runner(job, self._back, next(self._order), self._pass_bound)
         self._running.append(runner)
         runner.resume()  # to its first step
         self._reap()
+
+    def _pass_bound(self) -> int | None:
+        """Prompt tokens the next prefill pass may take: ``pass_tokens`` while its job has the
+        model to itself, a quarter of that (at least one segment) while other jobs run or wait,
+        whose turns come between passes. Read by the job's thread while the scheduler waits on it."""
+        if self.pass_tokens is None:
+            return None
+        running = len(self._running)  # finished jobs leave at the end of the iteration
+        alone = sum(r.state != "done" for r in self._running) <= 1 and self.pending <= running
+        return self.pass_tokens if alone else max(SHARED_PASS_MIN, self.pass_tokens // 4)
 
     def _decode_step(self) -> None:
         """One batched decode step for every job waiting on one, then each job on to its next."""
