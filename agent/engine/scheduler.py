@@ -27,7 +27,7 @@ wants the next token's logits (it joins the next batched decode step) and after 
    short ones arrive.
 
 A prefill pass takes at most ``pass_tokens`` prompt tokens while its job has the model to
-itself, and a quarter of that (at least ``SHARED_PASS_MIN``) while other jobs run or wait
+itself, and half of that (at least ``SHARED_PASS_MIN``) while other jobs run or wait
 (``batched.pass_tokens``, asked as each pass begins; whole segments, so the KV is that of one
 pass, see ``agent/adapters/attention.py``): fewer passes read the weights fewer times, shorter
 ones let others in sooner. A long prompt therefore advances in bounded passes while the streams already
@@ -59,7 +59,7 @@ MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait t
 PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
 AGING = 4  # every AGING-th prefill pass goes to the job that started first
 PASS_TOKENS = 512  # prompt tokens a prefill pass may take: others wait at most one such pass
-SHARED_PASS_MIN = 128  # and while other jobs run or wait, a quarter of it, at least one segment
+SHARED_PASS_MIN = 128  # and while other jobs run or wait, half of it, at least one segment
 
 
 class QueueFullError(RuntimeError):
@@ -298,13 +298,13 @@ class ModelWorker:
 
     def _pass_bound(self) -> int | None:
         """Prompt tokens the next prefill pass may take: ``pass_tokens`` while its job has the
-        model to itself, a quarter of that (at least one segment) while other jobs run or wait,
+        model to itself, half of that (at least one segment) while other jobs run or wait,
         whose turns come between passes. Read by the job's thread while the scheduler waits on it."""
         if self.pass_tokens is None:
             return None
         running = len(self._running)  # finished jobs leave at the end of the iteration
         alone = sum(r.state != "done" for r in self._running) <= 1 and self.pending <= running
-        return self.pass_tokens if alone else max(SHARED_PASS_MIN, self.pass_tokens // 4)
+        return self.pass_tokens if alone else max(SHARED_PASS_MIN, self.pass_tokens // 2)
 
     def _decode_step(self) -> None:
         """One batched decode step for every job waiting on one, then each job on to its next."""
