@@ -14,6 +14,7 @@ Not here: vision inputs (``qwen_vl.py``), loading checkpoints (``loading.py``).
 from __future__ import annotations
 
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -62,19 +63,19 @@ def rope_spec_from_module(rotary_emb: torch.nn.Module, model_type: str, **mrope:
     )
 
 
-def floor_rows(linear: torch.nn.Module) -> None:
+def _floored_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[-2] if x.dim() > 1 else 0
+    if 0 < rows < getattr(_pass, "min_rows", 0):
+        pad = x.new_zeros(*x.shape[:-2], PASS_MIN_ROWS - rows, x.shape[-1])
+        return torch.nn.Linear.forward(self, torch.cat([x, pad], dim=-2))[..., :rows, :]
+    return torch.nn.Linear.forward(self, x)
+
+
+def floor_rows(linear: torch.nn.Linear) -> None:
     """Make ``linear`` run a prefill pass's product on at least ``PASS_MIN_ROWS`` rows (zero rows
-    added, their results dropped), so its rows come out as they would in a longer pass."""
-    plain = linear.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[-2] if x.dim() > 1 else 0
-        if 0 < rows < getattr(_pass, "min_rows", 0):
-            pad = x.new_zeros(*x.shape[:-2], PASS_MIN_ROWS - rows, x.shape[-1])
-            return plain(torch.cat([x, pad], dim=-2))[..., :rows, :]
-        return plain(x)
-
-    linear.forward = forward
+    added, their results dropped), so its rows come out as they would in a longer pass. Bound as
+    the module's own method, so a copy of the model keeps it on the copy."""
+    linear.forward = types.MethodType(_floored_forward, linear)  # type: ignore[method-assign]
 
 
 def model_fingerprint(model: PreTrainedModel, name: str) -> str:
