@@ -17,7 +17,7 @@ Per call: what changed, how the reused answer was served (``PromptUsage.served``
 tokens it took from the cache, time to first token and end to end for both, and whether the two
 answers are the same tokens; then the totals. Both paths run once on a short prompt first, so
 that neither pays for loading kernels. The first call has nothing to reuse: the prompt cache
-prefills in segments, to store exact KV, and is slower than one pass there.
+prefills it in one pass too (its KV then taken out and stored), about the full prefill's time.
 
 Not here: the conversation itself (``conversation_trace.py``); how reuse and the guard work
 (``agent/engine/prompt_cache.py``, ``agent/engine/answer.py``).
@@ -235,8 +235,7 @@ def show(console: Console, turns: Sequence[Turn], mode: ReuseMode) -> None:
         "repaired; fallback, on exact KV after a call too close for moved KV; given_up, on exact KV, "
         "the repair given up before decoding. full: the whole prompt in one forward pass, nothing "
         "cached. same: the two answers are the same tokens. The first call finds nothing cached: "
-        "the prompt cache prefills it in segments, to store exact KV, which is slower than one "
-        "pass.[/]"
+        "the prompt cache prefills it in one pass too, and takes its KV out to store it.[/]"
     )
 
 
