@@ -17,7 +17,6 @@ Not here: reusing and prefilling (``prompt_cache.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -254,8 +253,8 @@ def passes(
 def split_pass(
     prompt: Prompt, group: Sequence[tuple[int, int]], kv: ChunkKV
 ) -> list[tuple[int, int, ChunkKV]]:
-    """The KV of one pass over ``group``'s segments, one (start, end, KV) per segment: copies, so
-    that each stored entry holds its own tokens only (one segment: the pass's KV as it is)."""
+    """The KV of one pass over ``group``'s segments, one (start, end, KV) per segment: views of
+    the pass's KV (the store copies what it keeps into storage of its own, ``TieredStore.put``)."""
     if len(group) == 1:
         return [(group[0][0], group[0][1], kv)]
     a0 = group[0][0]
@@ -263,8 +262,7 @@ def split_pass(
     for a, b in group:
         t0, t1 = int(prompt.tok_off[a] - prompt.tok_off[a0]), int(prompt.tok_off[b] - prompt.tok_off[a0])
         p0 = int(prompt.pos_off[a] - prompt.pos_off[a0])
-        part = kv.sliced(t0, t1, p0, int(prompt.pos_off[b] - prompt.pos_off[a]))
-        out.append((a, b, dataclasses.replace(part, k=part.k.contiguous(), v=part.v.contiguous())))
+        out.append((a, b, kv.sliced(t0, t1, p0, int(prompt.pos_off[b] - prompt.pos_off[a]))))
     return out
 
 
