@@ -9,16 +9,19 @@ its content key (``cache.keys.span_key``), so they mean the same thing in every 
 The planner (``cache/planner.py``) cuts the units at piece boundaries and by content-defined
 chunking, matches the exact prefix in its radix tree, then looks up each later chunk by content.
 
-**Exact means exact.** Every prefill of a prompt's exact part runs in *segments* cut at fixed
-points of the prompt: multiples of ``block_tokens`` tokens and the edges of every image
-(:meth:`Prompt.cuts`), so the same prompt is always computed by the same forward passes, whatever
-was reused. What follows content reused at a moved place or after other antecedents is not exact
-whatever its passes, and is prefilled in one. Conditioned KV
-is stored as the model rotated it (``ChunkKV.placed_at``), never un-rotated and rotated back. An
+**Exact means exact.** A prompt's exact part is stored in *segments* cut at fixed points of the
+prompt: multiples of ``block_tokens`` tokens and the edges of every image (:meth:`Prompt.cuts`).
+The segments run in as few forward passes as the scheduler's bound and the images allow
+(:func:`~agent.engine.prompt.passes`); the prefill attention computes fixed blocks aligned to the
+sequence (``agent/adapters/attention.py``), so a pass cut at segment edges writes the KV one
+pass over the whole prompt writes, whatever was reused (a model that is not ``cut_invariant``
+runs one pass per segment instead). What follows content reused at a moved place or after other
+antecedents is not exact whatever its passes, and is prefilled in one. Conditioned KV is stored
+as the model rotated it (``ChunkKV.placed_at``), never un-rotated and rotated back. An
 exact-prefix hit is cut back to the last segment edge, placed bit for bit, and the rest is
-prefilled segment by segment: the model cache, the logits and the greedy tokens are those of a
-full prefill (which is this same code with nothing reused). Only KV that is exact in that sense
-enters the radix tree, so a prefix hit is never KV computed after approximate reuse.
+prefilled: the model cache, the logits and the greedy tokens are those of the engine's one-pass
+full prefill (``full_prefill.py``). Only KV that is exact in that sense enters the radix tree, so
+a prefix hit is never KV computed after approximate reuse.
 
 Modes (``agent/modes.py``, per request, a server default), as this cache runs them:
 
