@@ -237,9 +237,12 @@ def decode(
             masks.append(allowed)
         return allowed
 
-    def choose(logits: torch.Tensor, allowed: torch.Tensor | None) -> int:
+    def choose(logits: torch.Tensor, allowed: torch.Tensor | None, scores: torch.Tensor | None = None) -> int:
+        """The step's token: the argmax of its ``scores`` (computed here unless the guard did)."""
         nonlocal steps
-        token = sample(logits if allowed is None else _masked(logits, allowed), steps)
+        if scores is None:
+            scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
+        token = int(scores.argmax())
         steps += 1
         if params.logprobs:
             logprobs.append(token_logprob(logits, token, params.top_logprobs))
@@ -251,21 +254,24 @@ def decode(
             on_text(delta, logprobs[sent:])
             sent = len(logprobs)
 
-    def clear(logits: torch.Tensor, allowed: torch.Tensor | None) -> bool:
-        """Whether this step's choice stands on approximate KV: the best two of what it takes the
-        argmax of lie at least the guard's margin apart. A nucleus (top_p < 1) can change with
-        the logits however far apart they are: no step under it is clear."""
+    def clear(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's scores if its choice stands on approximate KV (their best two lie at least
+        the guard's margin apart), else None. A nucleus (top_p < 1) can change with the logits
+        however far apart they are: no step under it is clear."""
         if params.temperature > 0.0 and params.top_p < 1.0:
-            return False
+            return None
         scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
-        return _margin(scores, None) >= guard.margin  # type: ignore[union-attr]
+        return scores if _margin(scores, None) >= guard.margin else None  # type: ignore[union-attr]
 
     def step(logits: torch.Tensor) -> int:
         """The next token: on exact KV from here on if this choice is too close to call."""
         nonlocal cache, position, escalated_at, diverged, stream, steps
         allowed = allowed_now(logits)
-        if not watch or escalated_at is not None or clear(logits, allowed):
+        if not watch or escalated_at is not None:
             return choose(logits, allowed)
+        scores = clear(logits, allowed)
+        if scores is not None:  # the noise drawn once: the choice takes the scores the guard read
+            return choose(logits, allowed, scores)
         done = list(stream.tokens)
         escalated_at = len(done)
         cache, logits, position = guard.exact()  # type: ignore[union-attr]
