@@ -134,7 +134,7 @@ def measure(adapter: Any, n: int, repeats: int, pass_tokens: int, seed: int) -> 
     fastest = min(best["one_pass"], best["one_pass_sdpa"])
     return {
         "tokens": n,
-        "seconds": {w: round(v, 4) for w, v in best.items()},
+        "seconds": {w: round(v, 6) for w, v in best.items()},
         "ms_per_token": {w: round(1000 * v / n, 3) for w, v in best.items()},
         "over_fastest": {w: round(v / fastest, 3) for w, v in best.items()},
         "commit_s": round(min(commit), 4),
