@@ -37,7 +37,9 @@ from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.engine.chat import ChatML, TemplateError, chat_format
 from agent.engine.generation import SamplingParams, decode
+from agent.engine.prompt_cache import Served
 from agent.grammar import Constraint, GrammarEngine
+from agent.modes import guard_margin
 from agent.policies import Policy, make_policy
 from cache.store import StoreConfig, TieredStore
 
@@ -98,6 +100,14 @@ class StepReport:
     vision_encoder_calls: int
     window_tokens: int
     evicted: tuple[str, ...]
+    # how the answer was served, in the server's classes (``agent.engine.prompt_cache.SERVED``):
+    # on a window exact as it stands or on a fresh prefill of it (prefix), on moved or patched KV
+    # (moved), on a fresh prefill after the guard's close call (fallback), or on one from the
+    # start because the window's residual called for a margin beyond the cap (given_up)
+    served: str = "prefix"
+    repair_residual: float | None = None  # the inexact chunks' deviation (ContextManager.residual)
+    guard_margin: float | None = None  # the guard's margin where one watched the step
+    escalated_at: int | None = None  # the decode step a close call moved to a fresh prefill
 
 
 @dataclass(frozen=True)
@@ -128,8 +138,8 @@ def _chat_format(adapter: ModelAdapter) -> ChatFormat:
 class _FreshWindow:
     """The guard of one step: the window prefilled afresh, then the step's instruction."""
 
-    def __init__(self, cm: ContextManager, prompt: TextInput) -> None:
-        self.cm, self.prompt, self.margin = cm, prompt, cm.config.repair_margin
+    def __init__(self, cm: ContextManager, prompt: TextInput, margin: float) -> None:
+        self.cm, self.prompt, self.margin = cm, prompt, margin
         self.cache: Any = None
         self.start = 0
 
@@ -224,7 +234,10 @@ class Agent:
         pieces = [*chunks, *(piece for obs in observations for piece in self.chunks(obs))]
         new, metas = [chunk for chunk, _ in pieces], [meta for _, meta in pieces]
         prompt = self.prompt(instruction) if isinstance(instruction, str) else instruction
-        reuse = cm.config.reuse
+        cfg = cm.config
+        reuse = cfg.reuse
+        residual: float | None = None
+        served: Served = "prefix"
         # every new chunk of the step in as few forward passes as the budget allows, the
         # instruction in the last of them; except in exact mode, where a window that is not what a
         # fresh prefill computes is prefilled afresh (and one that is needs no guard)
@@ -237,9 +250,24 @@ class Agent:
             ids, first = cm.append_and_ask(new, metas, prompt)
             exact = cm.exact
             cache, start = cm.cache(), cm.next_start
+            served = "prefix" if exact else "moved"
+        guard = None
+        if reuse == "repair" and cfg.repair_margin > 0 and not exact:
+            # chat completions' guard: the margin scaled by the deviation the window's inexact
+            # chunks still have (unmeasured: the margin as set); too far, and the step is
+            # answered on a fresh prefill before any token is chosen on the window's KV
+            residual = cm.residual(skip_last=len(ids))
+            measured = cfg.repair_residual_unit if residual is None else residual
+            if measured > cfg.give_up_residual:
+                cache, start = cm.fresh_cache()
+                first = self.adapter.next_logits(prompt, cache, start)
+                served = "given_up"
+            else:
+                margin = guard_margin(cfg.repair_margin, measured, cfg.repair_residual_unit)
+                guard = _FreshWindow(cm, prompt, margin)
+        # the answer rests on the window's KV (else on a fresh prefill of the window)
+        on_window = exact or served == "moved"
         budget = max_new_tokens or self.max_new_tokens
-        guarded = reuse == "repair" and cm.config.repair_margin > 0 and not exact
-        guard = _FreshWindow(cm, prompt) if guarded else None
         _, extent = self.adapter.chunk_positions(prompt)
         decoded = decode(
             self.adapter,
@@ -254,6 +282,8 @@ class Agent:
         ttft_ms = 1000 * (decoded.first_token_at - t0)
         if guard is not None and guard.cache is not None:  # a close call: answered on a fresh prefill
             cache, start = guard.cache, guard.start
+            served, on_window = "fallback", False
+        reused = reused if on_window else 0  # KV the answer was computed from, nothing else
         tokens = decoded.tokens
         c.tokens_prefilled += prompt.n_tokens + len(tokens)
         c.tokens_reused += reused
@@ -277,6 +307,10 @@ class Agent:
             vision_encoder_calls=encoder_calls(self.adapter) - before[3],
             window_tokens=cm.tokens,
             evicted=tuple(e for e in cm.evicted if e not in evicted_before),
+            served=served,
+            repair_residual=residual,
+            guard_margin=None if guard is None else guard.margin,
+            escalated_at=decoded.escalated_at,
         )
         return StepResult(output, self.policy.parse(output), report, tuple(ids))
 
