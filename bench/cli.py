@@ -40,6 +40,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench.video_costs",
         "a frame's encode, prefill and decode at Qwen2.5-VL-3B/7B widths; modelled TTFT with KV reuse",
     ),
+    "video-stream": (
+        "bench.video_stream",
+        "a sliding window over a 10-minute stream asked every few seconds, look-back included, "
+        "against re-encoding each question's window",
+    ),
 }
 
 

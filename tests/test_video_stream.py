@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("av")
+
+from bench.video_stream import ShowIds, main
+from bench.video_stream_plan import Schedule, plan, renumber
+from bench.video_stream_run import TimeSpans, prompt_spans
+from demos.retrieval import FrameRecord
+from tools.world import WORLD_VL_DIR
+from tools.world.render import make_split
+
+
+def test_plan_asks_recent_and_look_back_questions() -> None:
+    episodes = make_split("val", 12)
+    qs = plan(episodes, Schedule(every_s=6, lookback_every=3, back_s=24, back_cycles=2))
+    assert [q.at for q in qs] == [6 * i - 0.5 for i in range(1, 13)]
+    kinds = [q.kind for q in qs]
+    assert kinds.count("look-back") >= 3
+    for q in qs:
+        ep = episodes[q.episode]
+        last = 6 * q.episode + 5
+        assert q.frames == (last - 5.0, float(last))
+        assert q.frames[1] < q.at  # every frame it needs has arrived
+        if q.kind == "recent":
+            assert q.episode == int(q.at + 0.5) // 6 - 1
+        else:  # left a 16-frame window long before
+            assert q.at - q.frames[1] >= 24
+        assert q.expected in {x.answer for x in ep.questions}
+        assert q.text in {x.text for x in ep.questions}
+
+
+def test_longer_prompts_renumber_the_episode_frames() -> None:
+    assert renumber("what colour is the star in frame 3 ?", 10) == "what colour is the star in frame 13 ?"
+    assert renumber("which shape moved last ?", 10) == "which shape moved last ?"
+    qs = plan(make_split("val", 4), Schedule(prompt_frames=16))
+    q = qs[-1]
+    assert q.frames == (23.0 - 15, 23.0)
+    assert plan(make_split("val", 4), Schedule(prompt_frames=16))[0].frames == (0.0, 5.0)  # clipped at 0
+
+
+def test_time_spans_and_chat_prompts() -> None:
+    frames = [FrameRecord(f"f{i}", float(i), 4) for i in range(40)]
+    assert TimeSpans(((3.0, 5.0), (30.0, 39.0))).select(frames, 20, None) == [3, 4, 5, *range(30, 40)]
+    assert TimeSpans(((0.0, 39.0),)).select(frames, 4, None) == [36, 37, 38, 39]
+    q = plan(make_split("val", 10), Schedule(lookback_every=2, back_s=24))[5]
+    assert q.kind == "look-back"
+    spans = prompt_spans(q, 16, labelled=False)
+    picked = TimeSpans(spans).select(frames, 16, None)
+    assert len(picked) == 16
+    assert {int(q.frames[0]), int(q.frames[1])} <= set(picked)
+    assert max(picked) == int(q.at - 0.5)
+
+
+def test_answers_are_compared_token_for_token() -> None:
+    tok = ShowIds()
+    assert tok.decode([300, 301]) != tok.decode([300, 302])  # the byte tokenizer drops both
+    assert tok.decode(tok.encode("star")) == "star"
+
+
+def _run(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    out = tmp_path / "stream.json"
+    assert main([*argv, "--split", "val", "--threads", "1", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_tiny_stream(tmp_path: Path) -> None:
+    report = _run(
+        tmp_path,
+        "--model",
+        "tiny",
+        "--episodes",
+        "8",
+        "--window",
+        "8",
+        "--lookback-every",
+        "2",
+        "--back",
+        "18",
+        "--frame-size",
+        "112",
+        "--reuse-modes",
+        "exact,repair",
+    )
+    assert report["frames"] == 48
+    assert report["frame_size"] == [112, 112]
+    for run in report["runs"]:
+        rows = run["rows"]
+        assert run["vision_encoder_calls"] == run["distinct_frames"] >= 46
+        assert run["targets"]["encoder_calls_equal_distinct_frames"]
+        look_back = [r for r in rows if r["kind"] == "look-back"]
+        assert look_back
+        assert all(r["encoder_calls"] == 0 for r in look_back)
+        assert run["lookback_encoder_calls"] == 0
+        for r in rows:  # re-encoding runs the encoder on every frame of the window it answers on
+            assert r["baseline_encoder_calls"] == r["frames"] >= min(8, r["at_s"] + 0.5)
+            assert r["frame_span"][1] == r["at_s"] - 0.5
+        for key in ("ttft_ms", "baseline_ttft_ms", "answer", "expected", "same_as_baseline", "served"):
+            assert all(key in r for r in rows)
+        assert run["baseline_encoder_calls"] == sum(r["frames"] for r in rows)
+        assert run["session_s"] > 0
+        assert run["baseline_s"] > 0
+    exact, repair = report["runs"]
+    assert all(r["frames"] == min(8, r["at_s"] + 0.5) for r in exact["rows"])  # the question's frames only
+    assert exact["same_as_baseline"] == exact["questions"]  # exact KV: re-encoding's answers
+    assert all(r["served"] == "prefix" for r in exact["rows"])
+    # repair brings a look-back's evicted frames back from the store
+    assert all(r["recalled"] >= 6 for r in repair["rows"] if r["kind"] == "look-back")
+
+
+NO_WORLD = not any(WORLD_VL_DIR.glob("*.safetensors"))
+
+
+@pytest.mark.skipif(NO_WORLD, reason="the world model's weights are absent (kamera train-demo-model)")
+def test_world_model_stream(tmp_path: Path) -> None:
+    report = _run(
+        tmp_path,
+        "--model",
+        "world",
+        "--episodes",
+        "12",
+        "--window",
+        "16",
+        "--back",
+        "24",
+        "--reuse-modes",
+        "exact",
+    )
+    (run,) = report["runs"]
+    assert run["vision_encoder_calls"] == run["distinct_frames"]
+    assert run["same_as_baseline"] == run["questions"] == 12
+    assert run["right"] >= run["baseline_right"] - 1
+    assert run["right"] >= 6  # the trained model reads its frames (chance is well under half)
+    assert all(r["frames"] == 6 for r in run["rows"])
