@@ -22,9 +22,9 @@ Not here: turning observations into chunks and generating answers (``agent/loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,10 +45,22 @@ from agent.context_types import (
     slot_kind,
 )
 from agent.keep import Keeper
+from agent.recompute import DeviationSelection, Repaired, measure_residual, recompute_into
 from cache.layout import ChunkKV
 from cache.patch import apply_patch
 from cache.store import TieredStore
 from cache.window import Window
+
+
+class _Rows(NamedTuple):
+    """The window's inexact chunks as :func:`agent.recompute.recompute_into` reads them."""
+
+    cache: Any
+    candidates: torch.Tensor  # sorted cache rows of the chunks
+    inputs: torch.Tensor  # [N, hidden]: input embeddings at the candidates' rows
+    positions: torch.Tensor  # [N] ([3, N] under M-RoPE): positions at the candidates' rows
+    order: torch.Tensor  # [N]: the sequence index of every cache row
+    slots: list[Slot]
 
 
 class ContextManager:
@@ -71,8 +83,13 @@ class ContextManager:
         pid = adapter.chunk_key(prefix, config.tenant_salt)
         self._slots = [
             Slot(
-                kv=prefix_kv, chunk_id=pid, input=prefix, source=Source.PREFIX,
-                context_key=context_key([]), meta={"kind": "prefix"}, finalized=True,
+                kv=prefix_kv,
+                chunk_id=pid,
+                input=prefix,
+                source=Source.PREFIX,
+                context_key=context_key([]),
+                meta={"kind": "prefix"},
+                finalized=True,
             )
         ]
         if self.tokens > config.budget_tokens:
@@ -120,6 +137,101 @@ class ContextManager:
         """Every chunk as prefilled here after the chunks now before it, never moved or restored."""
         ids = [s.chunk_id for s in self._slots[1:] if s.source == Source.PREFILLED]
         return len(ids) == len(self._slots) - 1 and self.exact_run(ids) == len(ids)
+
+    def make_room(self, n_tokens: int) -> list[str]:
+        """Slide the oldest chunks out until ``n_tokens`` more fit the budget (what appending them
+        does first); the ids evicted."""
+        before = set(self._evicted)
+        self._make_room(n_tokens)
+        return [cid for cid in self._evicted if cid not in before]
+
+    def residual(self, layer: int = 1, skip_last: int = 0) -> float | None:
+        """How far the window's KV is from what a fresh prefill of the window computes: every
+        chunk after the exact leading run (moved, patched, repaired, or computed after other
+        chunks) read by the model in the window as it stands, and the deviation of its KV at
+        ``layer`` over the energy of its fresh values (CacheBlend's signal, the one chat
+        completions' repair measures: ``agent.recompute.measure_residual``). ``skip_last``: the
+        newest chunks not measured (just prefilled on this window: their KV is what this window
+        computes). 0 where nothing is left to measure; None where the model cannot run on rows
+        (MLA, DeepStack vision rows). The window and its live cache are left bit for bit as they
+        were; vision features come from the adapter's cache."""
+        rows = self._inexact_rows(skip_last)
+        if rows is None:
+            return None
+        if rows.candidates.numel() == 0:
+            return 0.0
+        at = rows.candidates
+        hidden = rows.inputs[at.to(rows.inputs.device)]
+        try:
+            with torch.inference_mode():
+                return measure_residual(
+                    self.adapter, rows.cache, hidden, at, rows.positions[..., at], layer, order=rows.order
+                )
+        except TypeError:  # DeepStack vision rows
+            return None
+
+    def repair(self, selection: Callable[[torch.Tensor], DeviationSelection]) -> Repaired | None:
+        """CacheBlend on the window, as chat completions repair a prompt: the tokens of every
+        chunk after the exact leading run are candidates, ``selection(candidates)`` chooses the
+        most deviating at its layer and recomputes them through every layer, in the live cache
+        (the others keep their KV). The deviation left is returned (``Repaired``; 0 tokens and a
+        residual of 0 where every chunk is exact); None where the model cannot run on rows. The
+        candidates' chunks are marked repaired: their KV in the window is no longer bit for bit
+        what they were stored with, so they never count as exact again (``exact_run``); what the
+        store keeps of them is unchanged."""
+        rows = self._inexact_rows(0)
+        if rows is None:
+            return None
+        if rows.candidates.numel() == 0:
+            return Repaired(0, 0.0)
+        sel = selection(rows.candidates)
+        try:
+            with torch.inference_mode():
+                done = recompute_into(
+                    self.adapter, rows.cache, rows.inputs, rows.positions, sel, order=rows.order
+                )
+        except TypeError:  # DeepStack vision rows: raised before anything is written
+            return None
+        for slot in rows.slots:  # their rows ran at least the layers before the selection's
+            slot.repaired = True
+        self.counters.tokens_repaired += done.tokens
+        return done
+
+    def _inexact_rows(self, skip_last: int) -> _Rows | None:
+        """The live cache and, for the chunks after the exact leading run (less the newest
+        ``skip_last``), their cache rows, their inputs and positions; None where the model cannot
+        run on rows."""
+        adapter = self.adapter
+        if adapter.family != "gqa":
+            return None
+        slots = self._slots
+        inexact = slots[1 + self.exact_run([s.chunk_id for s in slots[1:]]) : len(slots) - skip_last]
+        cache = self.cache()
+        n = adapter.cache_length(cache)
+        empty = torch.zeros(0, dtype=torch.int64)
+        if not inexact:
+            return _Rows(cache, empty, empty, empty, empty, [])
+        offset = self._window.offset
+        order = torch.full((n,), n, dtype=torch.int64)  # rows no chunk holds: seen by none
+        seq = 0
+        for slot in slots:
+            for index, count in slot.segs:
+                order[index : index + count] = torch.arange(seq, seq + count)
+                seq += count
+        rows, hidden, where = [], [], []
+        for slot in inexact:
+            rows.append(torch.cat([torch.arange(index, index + count) for index, count in slot.segs]))
+            hidden.append(adapter.embed(slot.input))
+            rel, _ = adapter.chunk_positions(slot.input)
+            where.append(rel + slot.start + offset)
+        at = torch.cat(rows)
+        first = torch.cat(hidden)
+        inputs = first.new_zeros((n, first.shape[-1]))
+        inputs[at.to(inputs.device)] = first
+        rel = torch.cat(where, dim=-1)
+        positions = rel.new_zeros((*rel.shape[:-1], n))
+        positions[..., at] = rel
+        return _Rows(cache, at.sort().values, inputs, positions, order, list(inexact))
 
     def cut(self, keep: int, store: bool = True) -> list[str]:
         """Evict all after the first ``keep`` (newest first; ``store=False``: unstored, no recall)."""

@@ -14,7 +14,17 @@ from enum import StrEnum
 from typing import Any, Literal, NamedTuple
 
 from agent.adapters.base import ChunkInput, ImageInput
-from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
+from agent.modes import (
+    DEFAULT_MODE,
+    REPAIR_MARGIN,
+    REPAIR_MARGIN_CAP,
+    REPAIR_MAX_RATIO,
+    REPAIR_RATIO,
+    REPAIR_RESIDUAL_UNIT,
+    ReuseMode,
+    check_mode,
+    give_up_residual,
+)
 from cache.keys import DigestChain, digest_key
 from cache.patch import PatchConfig
 from cache.rank import rank_strategy
@@ -52,11 +62,17 @@ class WindowConfig:
     (its KV as computed in the window: exact on recall, no extra pass, but one full entry per
     context; for streams such as video where content rarely repeats in another context).
     reuse: how a step answers on the window: ``repair`` (the window's KV, moved and patched, with
-    decoding guarded: a greedy step closer than ``repair_margin`` goes to a fresh prefill of the
+    decoding guarded: a greedy step closer than the guard's margin goes to a fresh prefill of the
     window, :meth:`ContextManager.fresh_cache`), ``fast`` (the window's KV, unguarded) or
     ``exact`` (the window's KV where it is exact as it stands, every chunk computed after the
     chunks now in front of it; otherwise a fresh prefill of the window, vision features still
-    reused by content)."""
+    reused by content). Repair is chat completions' (``agent.modes``): of the tokens of every
+    chunk after the window's exact leading run, the repair_ratio share deviating most at layer 1
+    is recomputed in the window (up to repair_max_ratio while the deviation left is above
+    repair_residual_unit; :meth:`ContextManager.repair`); the guard's margin is repair_margin at a
+    residual of repair_residual_unit, scaled by the square root of the residual left; a window
+    whose residual calls for more than repair_margin_cap is answered on a fresh prefill from the
+    start."""
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
@@ -67,7 +83,11 @@ class WindowConfig:
     tenant_salt: str = ""
     keep: str = "canonical+patch"
     reuse: ReuseMode = DEFAULT_MODE
-    repair_margin: float = 0.5
+    repair_ratio: float = REPAIR_RATIO
+    repair_max_ratio: float = REPAIR_MAX_RATIO
+    repair_margin: float = REPAIR_MARGIN
+    repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
+    repair_margin_cap: float = REPAIR_MARGIN_CAP
 
     def __post_init__(self) -> None:
         if self.keep not in ("canonical+patch", "conditioned"):
@@ -79,10 +99,21 @@ class WindowConfig:
         if self.orbit_orderings < 1:
             raise ValueError("orbit_orderings must be at least 1")
         check_mode(self.reuse)
-        if not 0.0 <= self.repair_margin < float("inf"):
-            raise ValueError(f"repair_margin must be a finite number >= 0, got {self.repair_margin}")
+        if not 0.0 <= self.repair_ratio <= self.repair_max_ratio <= 1.0:
+            raise ValueError(
+                "need 0 <= repair_ratio <= repair_max_ratio <= 1, "
+                f"got {self.repair_ratio} and {self.repair_max_ratio}"
+            )
+        for name in ("repair_margin", "repair_residual_unit", "repair_margin_cap"):
+            if not 0.0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.rope_kernel not in KERNELS:
             raise ValueError(f"unknown rope_kernel {self.rope_kernel!r}; choose from {sorted(KERNELS)}")
+
+    @property
+    def give_up_residual(self) -> float:
+        """The residual beyond which the guard's margin would exceed ``repair_margin_cap``."""
+        return give_up_residual(self.repair_margin, self.repair_residual_unit, self.repair_margin_cap)
 
 
 @dataclass(frozen=True)
@@ -111,6 +142,7 @@ class Counters:
     canonical_encodes: int = 0
     fresh_prefills: int = 0  # steps answered on a fresh prefill of the window (exact, or a fallback)
     fresh_tokens: int = 0  # tokens those prefilled
+    tokens_repaired: int = 0  # tokens of moved chunks recomputed through every layer (repair)
     recompute_on_miss: int = 0
     assemblies: int = 0
     rebuilds: int = 0
@@ -173,6 +205,7 @@ class Slot(Placement):
     context_key: str  # the antecedents it was prefilled after (its patch's key)
     meta: dict[str, Any]
     finalized: bool = False
+    repaired: bool = False  # tokens of it recomputed in this window: its KV there is not what was stored
 
 
 def slot_kind(slot: Slot) -> str:
@@ -184,11 +217,17 @@ def slot_kind(slot: Slot) -> str:
 def exact_run(slots: Sequence[Slot], chunk_ids: Sequence[str], contexts: Sequence[str]) -> int:
     """How many of ``slots`` after the first (the prefix) are ``chunk_ids``' leading ones with the
     KV a fresh prefill computes: each prefilled (or stored) after exactly the chunks now in front
-    of it, in that order. Moved-and-patched KV, or KV conditioned on other antecedents, ends it.
+    of it, in that order. Moved-and-patched KV, KV conditioned on other antecedents, or KV
+    repaired in the window (tokens of it recomputed) ends it.
     ``contexts[i]``: the context key of ``slots[:i]`` (:meth:`ContextKeys.prefixes`)."""
     n = 0
     for i, (slot, cid) in enumerate(zip(slots[1:], chunk_ids, strict=False), 1):
-        if slot.chunk_id != cid or slot.source not in EXACT_SOURCES or slot.context_key != contexts[i]:
+        if (
+            slot.chunk_id != cid
+            or slot.source not in EXACT_SOURCES
+            or slot.context_key != contexts[i]
+            or slot.repaired
+        ):
             break
         n += 1
     return n

@@ -41,6 +41,7 @@ from agent.engine.prompt_cache import Served
 from agent.grammar import Constraint, GrammarEngine
 from agent.modes import guard_margin
 from agent.policies import Policy, make_policy
+from agent.recompute import DeviationSelection
 from cache.store import StoreConfig, TieredStore
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ class StepReport:
     # (moved), on a fresh prefill after the guard's close call (fallback), or on one from the
     # start because the window's residual called for a margin beyond the cap (given_up)
     served: str = "prefix"
-    repair_residual: float | None = None  # the inexact chunks' deviation (ContextManager.residual)
+    repair_residual: float | None = None  # the deviation the inexact chunks still had (repaired)
+    tokens_repaired: int = 0  # their tokens recomputed through every layer (ContextManager.repair)
     guard_margin: float | None = None  # the guard's margin where one watched the step
     escalated_at: int | None = None  # the decode step a close call moved to a fresh prefill
 
@@ -230,43 +232,51 @@ class Agent:
         cm, c = self.context, self.context.counters
         before = (c.tokens_prefilled, c.tokens_rotated, c.patches_applied, encoder_calls(self.adapter))
         evicted_before = set(cm.evicted)
-        reused = cm.tokens
         pieces = [*chunks, *(piece for obs in observations for piece in self.chunks(obs))]
         new, metas = [chunk for chunk, _ in pieces], [meta for _, meta in pieces]
         prompt = self.prompt(instruction) if isinstance(instruction, str) else instruction
         cfg = cm.config
         reuse = cfg.reuse
+        incoming = sum(chunk.n_tokens for chunk in new)
+        if incoming <= cfg.budget_tokens - cm.view()[0].n_tokens:
+            cm.make_room(incoming)  # the slide the new chunks cause, before the window is repaired
+        reused = cm.tokens
         residual: float | None = None
+        repaired = 0
         served: Served = "prefix"
+        give_up = False
+        if reuse == "repair" and cfg.repair_margin > 0 and not cm.exact:
+            # chat completions' repair on the window's inexact chunks, before the step's new
+            # tokens attend to them; too far from this context even so, and the step is answered
+            # on a fresh prefill before anything else is spent on the window's KV
+            done = cm.repair(self._selection)
+            residual = None if done is None else done.residual
+            repaired = 0 if done is None else done.tokens
+            give_up = (cfg.repair_residual_unit if residual is None else residual) > cfg.give_up_residual
         # every new chunk of the step in as few forward passes as the budget allows, the
         # instruction in the last of them; except in exact mode, where a window that is not what a
         # fresh prefill computes is prefilled afresh (and one that is needs no guard)
-        if reuse == "exact":
+        if reuse == "exact" or give_up:
             ids = cm.append_many(new, metas)
-            exact = cm.exact
+            exact = cm.exact and not give_up
             cache, start = (cm.cache(), cm.next_start) if exact else cm.fresh_cache()
             first = self.adapter.next_logits(prompt, cache, start)
+            served = "given_up" if give_up else "prefix"
         else:
             ids, first = cm.append_and_ask(new, metas, prompt)
             exact = cm.exact
             cache, start = cm.cache(), cm.next_start
             served = "prefix" if exact else "moved"
         guard = None
-        if reuse == "repair" and cfg.repair_margin > 0 and not exact:
-            # chat completions' guard: the margin scaled by the deviation the window's inexact
-            # chunks still have (unmeasured: the margin as set); too far, and the step is
-            # answered on a fresh prefill before any token is chosen on the window's KV
-            residual = cm.residual(skip_last=len(ids))
+        if reuse == "repair" and cfg.repair_margin > 0 and served == "moved":
+            if residual is None:  # not repaired (a model that cannot run on rows, or a late slide)
+                residual = cm.residual(skip_last=len(ids))
+            # the guard's margin follows the deviation left (unmeasured: the margin as set)
             measured = cfg.repair_residual_unit if residual is None else residual
-            if measured > cfg.give_up_residual:
-                cache, start = cm.fresh_cache()
-                first = self.adapter.next_logits(prompt, cache, start)
-                served = "given_up"
-            else:
-                margin = guard_margin(cfg.repair_margin, measured, cfg.repair_residual_unit)
-                guard = _FreshWindow(cm, prompt, margin)
+            margin = guard_margin(cfg.repair_margin, measured, cfg.repair_residual_unit)
+            guard = _FreshWindow(cm, prompt, margin)
         # the answer rests on the window's KV (else on a fresh prefill of the window)
-        on_window = exact or served == "moved"
+        on_window = served == "moved" or exact
         budget = max_new_tokens or self.max_new_tokens
         _, extent = self.adapter.chunk_positions(prompt)
         decoded = decode(
@@ -309,10 +319,22 @@ class Agent:
             evicted=tuple(e for e in cm.evicted if e not in evicted_before),
             served=served,
             repair_residual=residual,
+            tokens_repaired=repaired,
             guard_margin=None if guard is None else guard.margin,
             escalated_at=decoded.escalated_at,
         )
         return StepResult(output, self.policy.parse(output), report, tuple(ids))
+
+    def _selection(self, candidates: torch.Tensor) -> DeviationSelection:
+        """Chat completions' choice of the tokens to recompute, over the window's ``candidates``."""
+        cfg = self.context.config
+        return DeviationSelection(
+            cfg.repair_ratio,
+            candidates,
+            max_residual=cfg.give_up_residual,
+            max_ratio=cfg.repair_max_ratio,
+            target_residual=cfg.repair_residual_unit,
+        )
 
     def _constraint(self, max_tokens: int) -> Constraint | None:
         grammar = self.policy.grammar(max_tokens) if self.constrain else None

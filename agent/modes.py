@@ -20,6 +20,7 @@ completions, ``agent/context.py`` and ``agent/loop.py`` for windows), the guard
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 ReuseMode = Literal["exact", "repair", "fast"]
@@ -39,3 +40,34 @@ def check_mode(mode: str) -> ReuseMode:
     if mode not in REUSE_MODES:
         raise ValueError(f"unknown reuse mode {mode!r}; choose from {', '.join(REUSE_MODES)}")
     return mode  # type: ignore[return-value]
+
+
+# repair, one setting for chat completions and windows (``docs/consistency.md`` says how they
+# were measured): the most deviating share of the reused tokens is recomputed; a greedy step on
+# repaired KV whose best two logits lie closer than the margin goes to exact KV; the margin is
+# REPAIR_MARGIN at a measured residual (the deviation the reused KV still has from its context,
+# ``agent.recompute``) of REPAIR_RESIDUAL_UNIT, scaled by the square root of the ratio; a
+# residual that calls for more than REPAIR_MARGIN_CAP is given up before decoding (exact KV from
+# the start).
+REPAIR_RATIO = 0.15  # share of the reused tokens recomputed at least (CacheBlend's choice)
+REPAIR_MAX_RATIO = 0.15  # at most, growing from REPAIR_RATIO until the residual is the unit
+REPAIR_MARGIN = 0.5
+REPAIR_RESIDUAL_UNIT = 8e-7
+REPAIR_MARGIN_CAP = 3.0
+
+
+def guard_margin(margin: float, residual: float, unit: float) -> float:
+    """The guard's margin for repaired KV that is still ``residual`` from its context: ``margin``
+    at a residual of ``unit``, scaled by ``sqrt(residual / unit)`` up and down (the residual is an
+    energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
+    if unit <= 0:
+        return margin
+    return margin * math.sqrt(max(0.0, residual) / unit)
+
+
+def give_up_residual(margin: float, unit: float, cap: float) -> float:
+    """The residual beyond which the guard's margin would exceed ``cap`` (inf: never given up,
+    where any of the three is 0)."""
+    if min(cap, margin, unit) <= 0:
+        return float("inf")
+    return unit * (cap / margin) ** 2

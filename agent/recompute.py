@@ -151,6 +151,7 @@ def recompute_into(
     inputs: torch.Tensor,
     positions: torch.Tensor,
     selection: Selection,
+    order: torch.Tensor | None = None,
 ) -> Repaired:
     """Recompute the selected tokens of the context ``cache`` holds, in place.
 
@@ -159,11 +160,12 @@ def recompute_into(
     recomputed tokens' KV in ``cache`` is replaced; from the selection layer on, the others'
     is left as it was (the selection layer restores the rows it tried but did not keep).
     Returns how many tokens ran through every layer and the deviation left (none ran past the
-    selection layer when it exceeds the selection's ``max_residual``). Raises TypeError
-    for a model whose layers cannot run on rows (MLA), ValueError for inputs that disagree with
-    the cache.
+    selection layer when it exceeds the selection's ``max_residual``). ``order``: the sequence
+    index of every cached token where the cache does not hold them in order (a window's arena;
+    ``ModelAdapter.run_layers``). Raises TypeError for a model whose layers cannot run on rows
+    (MLA), ValueError for inputs that disagree with the cache.
     """
-    rows, residual = _recompute(adapter, cache, inputs, positions, selection)
+    rows, residual = _recompute(adapter, cache, inputs, positions, selection, order)
     return Repaired(int(rows.numel()), residual)
 
 
@@ -192,6 +194,51 @@ def selective_recompute(
     return Recomputed(k, v, selected, residual)
 
 
+@torch.inference_mode()
+def measure_residual(
+    adapter: ModelAdapter,
+    cache: ModelCache,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    layer: int = 1,
+    deviation: Deviation = "v",
+    order: torch.Tensor | None = None,
+) -> float:
+    """How far the KV ``cache`` holds at ``rows`` is from what its context computes there:
+    CacheBlend's signal at ``layer`` (:class:`DeviationSelection`), the rows' squared deviation
+    over the energy of their fresh K/V, measured and nothing kept. ``hidden``: the rows' input
+    embeddings ``[R, hidden]``; positions: theirs (``[R]``, ``[3, R]`` under M-RoPE); rows:
+    sorted int64 cache indices; ``order``: the sequence index of every cached token where the
+    cache does not hold them in order (``ModelAdapter.run_layers``). The cache is left bit for
+    bit as it was. Raises TypeError for a model whose layers cannot run on rows."""
+    _check_family(adapter)
+    if rows.numel() == 0:
+        return 0.0
+    device_rows = rows.to(adapter.device)
+    saved = []
+    for i in range(layer + 1):  # the layers the rows run through write their fresh KV
+        k_layer, v_layer = adapter.layer_kv(cache, i)
+        saved.append((k_layer[:, device_rows], v_layer[:, device_rows]))
+    try:
+        x = hidden.to(adapter.device)
+        if layer > 0:
+            x = adapter.run_layers(x, rows, positions, cache, range(layer), order=order).hidden
+        fresh = adapter.run_layers(x, rows, positions, cache, range(layer, layer + 1), order=order)
+    finally:
+        for i, (k_rows, v_rows) in enumerate(saved):
+            k_layer, v_layer = adapter.layer_kv(cache, i)
+            k_layer.index_copy_(1, device_rows, k_rows)
+            v_layer.index_copy_(1, device_rows, v_rows)
+    reused_k, reused_v = saved[layer]
+    dev = (fresh.v - reused_v).double().square().sum()
+    energy = fresh.v.double().square().sum()
+    if deviation == "kv":
+        dev = dev + (fresh.k - reused_k).double().square().sum()
+        energy = energy + fresh.k.double().square().sum()
+    return float(dev / energy.clamp_min(1e-30))
+
+
 def _check_family(adapter: ModelAdapter) -> None:
     if adapter.family != "gqa":
         raise TypeError("selective recompute runs on GQA/MHA decoders only")
@@ -204,6 +251,7 @@ def _recompute(
     inputs: torch.Tensor,
     positions: torch.Tensor,
     selection: Selection,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The sorted indices of the tokens recomputed through every layer (on the CPU), and the
     deviation left in the others (:class:`Repaired`)."""
@@ -222,17 +270,21 @@ def _recompute(
         return rows, 0.0
     hidden = _embed_rows(adapter, inputs, rows)
     if check >= n_layers or not isinstance(selection, DeviationSelection):
-        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers))
+        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers), order=order)
         return rows, 0.0
     if check > 0:
-        hidden = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check)).hidden
+        hidden = adapter.run_layers(
+            hidden, rows, positions[..., rows], cache, range(check), order=order
+        ).hidden
     # the selection layer: every candidate once, its fresh KV against the reused; the rows not
     # kept get their reused KV back, the kept ones run the layer again from its input (now
     # attending to the reused KV of the others) and on through the last
     k_layer, v_layer = adapter.layer_kv(cache, check)
     device_rows = rows.to(k_layer.device)
     saved_k, saved_v = k_layer[:, device_rows], v_layer[:, device_rows]  # [H, C, D] copies
-    fresh = adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, check + 1))
+    fresh = adapter.run_layers(
+        hidden, rows, positions[..., rows], cache, range(check, check + 1), order=order
+    )
     dev = (fresh.v - saved_v).square().sum(dim=(0, 2))
     energy = fresh.v.square().sum()
     if selection.deviation == "kv":
@@ -246,7 +298,7 @@ def _recompute(
     v_layer.index_copy_(1, device_rows[drop], saved_v[:, drop])
     rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
     if rows.numel():
-        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers))
+        adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers), order=order)
     return rows, residual
 
 

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.engine.answer import guard_margin
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import PromptCacheConfig
+from agent.modes import guard_margin
 from agent.recompute import DeviationSelection, FixedSelection, selective_recompute
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity_data import QAItem

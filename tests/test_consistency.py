@@ -113,9 +113,9 @@ def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> N
     scale a guard margin ``c * sqrt(residual)`` needs, and what the guard then does with each."""
     import threading
 
-    from agent.engine.answer import guard_margin
     from agent.engine.generation import decode
     from agent.engine.prompt_cache import PromptUsage
+    from agent.modes import guard_margin
 
     def row(ref: list[float], cached: list[float], relocated: int, residual: float, fallback: int = 0) -> Row:
         usage = PromptUsage(

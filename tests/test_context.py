@@ -456,3 +456,76 @@ def test_exact_run_counts_only_kv_computed_after_the_chunks_in_front_of_it(adapt
     assert ids[1] not in cm.evicted
     with pytest.raises(RecallError):
         cm.recall(ids[1])
+
+
+def _placed_in_order(adapter: ModelAdapter, cm: ContextManager) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """The window's placed KV laid out in window order on a cache of its own, with every chunk's
+    input embeddings and positions after the prefix (the window as a sequence)."""
+    kvs = [cm.placed_kv(i) for i in range(len(cm.view()))]
+    k, v = torch.cat([kv[0] for kv in kvs], dim=2), torch.cat([kv[1] for kv in kvs], dim=2)
+    views = cm.view()
+    hidden = torch.cat([adapter.embed(s.input) for s in cm._slots[1:]])
+    positions = torch.cat([torch.arange(view.n_tokens) + view.start + cm.offset for view in views[1:]])
+    return adapter.new_cache([(k, v)]), hidden, positions
+
+
+def test_residual_reads_the_window_in_its_order_not_the_arena_s(adapter: ModelAdapter) -> None:
+    """After a reorder the arena holds chunks out of window order (values stay where they were):
+    the residual measured on the window equals the one measured on the same KV laid out in window
+    order, and leaves the window's KV bit for bit as it was; read in arena order it differs."""
+    from agent.recompute import measure_residual
+
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    prefix = TextInput(torch.arange(2, 8))
+    cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), prefix)
+    for chunk in pool()[:4]:
+        cm.append(chunk)
+    assert cm.residual() == 0.0  # exact: nothing to measure
+    ids = [v.chunk_id for v in cm.view()[1:]]
+    cm.reorder([ids[2], ids[0], ids[1], ids[3]])
+    before = [cm.placed_kv(i) for i in range(len(cm.view()))]
+    got = cm.residual()
+    after = [cm.placed_kv(i) for i in range(len(cm.view()))]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a[0], b[0])
+        assert torch.equal(a[1], b[1])
+    seq_cache, hidden, positions = _placed_in_order(adapter, cm)
+    n_prefix = prefix.n_tokens
+    rows = torch.arange(n_prefix, n_prefix + hidden.shape[0])
+    want = measure_residual(adapter, seq_cache, hidden, rows, positions)
+    assert got is not None
+    assert got > 0
+    assert got == pytest.approx(want, rel=1e-4)
+    # the arena's rows in arena order: the window's chunks read as if they came in that order
+    arena_rows = torch.cat([torch.arange(i, i + n) for s in cm._slots[1:] for i, n in s.segs])
+    sort = torch.argsort(arena_rows)
+    wrong = measure_residual(adapter, cm.cache(), hidden[sort], arena_rows[sort], positions[sort])
+    assert abs(wrong - want) > 1e-3 * want
+
+
+def test_a_repaired_chunk_never_counts_as_exact_again(adapter: ModelAdapter) -> None:
+    """Moved back where it was computed, a chunk's KV is exact again (its context key matches);
+    once tokens of it were recomputed in the window, it is not: its KV there is no longer what
+    the store holds."""
+    from agent.recompute import DeviationSelection
+
+    def window() -> tuple[ContextManager, list[str]]:
+        store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+        cm = ContextManager(adapter, store, WindowConfig(budget_tokens=BUDGET), TextInput(torch.arange(2, 8)))
+        for chunk in pool()[:4]:
+            cm.append(chunk)
+        ids = [v.chunk_id for v in cm.view()[1:]]
+        cm.reorder([ids[1], ids[0], ids[2], ids[3]])
+        return cm, ids
+
+    cm, ids = window()
+    assert cm.exact_run(ids) == 0
+    cm.reorder(ids)
+    assert cm.exact_run(ids) == len(ids)  # moved back: exact again
+    cm, ids = window()
+    done = cm.repair(lambda c: DeviationSelection(0.5, c))
+    assert done is not None
+    assert done.tokens > 0
+    assert cm.counters.tokens_repaired == done.tokens
+    cm.reorder(ids)
+    assert cm.exact_run(ids) == 0

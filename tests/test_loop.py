@@ -13,6 +13,7 @@ from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
 from agent.engine.chat import ByteTokenizer, ChatML
 from agent.loop import Agent, TextObservation
+from agent.modes import REPAIR_MARGIN, REPAIR_RESIDUAL_UNIT, guard_margin
 
 SYSTEM = "You answer from notes."
 NOTES = [TextObservation(" ".join(f"note {i}.{j} is {i * j}" for j in range(12))) for i in range(6)]
@@ -150,3 +151,72 @@ def test_a_step_that_keeps_no_turn_leaves_the_window_as_it_was(llama: Any) -> No
     fresh = Agent(llama, "You answer from notes.", window=window, max_new_tokens=8, finalize=False)
     fresh.step([NOTES[0]], "What is note 0.3?")
     assert fresh.step([], "What is note 0.5?").output == first.output
+
+
+def steps(adapter: Any, **window: Any) -> list[Any]:
+    """The reports of :func:`run`'s six steps under a window configured by ``window``."""
+    config = WindowConfig(budget_tokens=BUDGET, **window)
+    agent = Agent(adapter, SYSTEM, window=config, max_new_tokens=MAX_NEW_TOKENS, finalize=False)
+    return [agent.step([note], f"What is note {i}.3?") for i, note in enumerate(NOTES)]
+
+
+def test_repair_s_guard_margin_follows_the_residual_the_window_left(llama: Any) -> None:
+    """Chat completions' repair on a window: a step on an exact window needs none; once a slide
+    moved the window, the moved chunks' most deviating tokens are recomputed, and the guard's margin
+    is the configured one scaled by the square root of the residual left over the unit (no cap
+    here: nothing is given up). The answers are exact mode's."""
+    exact = [r.output for r in steps(llama, reuse="exact")]
+    results = steps(llama, reuse="repair", repair_margin_cap=0.0)
+    assert [r.output for r in results] == exact
+    kinds = [r.report.served for r in results]
+    assert kinds[0] == "prefix", kinds
+    assert set(kinds) - {"prefix"} <= {"moved", "fallback"}, kinds
+    assert set(kinds) - {"prefix"}, kinds
+    for r in results:
+        rep = r.report
+        if rep.served == "prefix":
+            assert rep.repair_residual is None
+            assert rep.guard_margin is None
+            assert rep.tokens_repaired == 0
+            continue
+        assert rep.repair_residual is not None
+        assert rep.repair_residual > 0
+        assert rep.tokens_repaired > 0
+        want = guard_margin(REPAIR_MARGIN, rep.repair_residual, REPAIR_RESIDUAL_UNIT)
+        assert rep.guard_margin == pytest.approx(want)
+        if rep.served == "moved":
+            assert rep.tokens_reused > 0
+            assert rep.escalated_at is None
+        else:  # answered on a fresh prefill: nothing of the window counts as reused
+            assert rep.tokens_reused == 0
+
+
+def test_more_recompute_leaves_less_residual(llama: Any) -> None:
+    """The share recomputed grows towards repair_max_ratio while the residual is above the unit:
+    a larger share leaves a smaller residual on the same moved windows."""
+    few = steps(llama, reuse="repair", repair_margin_cap=0.0)
+    many = steps(llama, reuse="repair", repair_margin_cap=0.0, repair_max_ratio=0.6)
+    pairs = [(a.report, b.report) for a, b in zip(few, many, strict=True) if a.report.served != "prefix"]
+    assert pairs
+    for a, b in pairs:
+        assert b.tokens_repaired > a.tokens_repaired
+        assert b.repair_residual < a.repair_residual  # type: ignore[operator]
+
+
+def test_a_residual_beyond_the_cap_answers_on_a_fresh_prefill_from_the_start(llama: Any) -> None:
+    """With a cap no moved window can meet, every moved step is given up before decoding: the
+    answers are exact mode's, no guard watches, and nothing of the window counts as reused; with
+    a margin every step fails and no cap, each moved step falls back at its first token."""
+    exact = [r.output for r in steps(llama, reuse="exact")]
+    given_up = steps(llama, reuse="repair", repair_margin_cap=1e-9)
+    assert [r.output for r in given_up] == exact
+    moved = [r.report for r in given_up if r.report.served != "prefix"]
+    assert moved
+    assert all(rep.served == "given_up" for rep in moved)
+    assert all(rep.guard_margin is None and rep.tokens_reused == 0 for rep in moved)
+    close = steps(llama, reuse="repair", repair_margin=1e9, repair_margin_cap=0.0)
+    assert [r.output for r in close] == exact
+    moved = [r.report for r in close if r.report.served != "prefix"]
+    assert moved
+    assert all(rep.served == "fallback" and rep.escalated_at == 0 for rep in moved)
+    assert all(rep.tokens_reused == 0 for rep in moved)

@@ -337,13 +337,16 @@ class ModelAdapter(ABC):
         positions: torch.Tensor,
         cache: ModelCache,
         layers: range,
+        order: torch.Tensor | None = None,
     ) -> LayerRun:
         """Run decoder ``layers`` (consecutive) on some rows of the sequence ``cache`` holds.
 
         hidden: ``[R, hidden]``, the rows' input to the first layer (from :meth:`embed`); rows:
-        sorted int64 ``[R]`` sequence indices into ``cache``; positions: the rows' absolute
-        positions, ``[R]`` (``[3, R]`` under M-RoPE). Each row attends to every cached token at
-        a sequence index up to its own, its own fresh KV included. Side effect: at every layer
+        sorted int64 ``[R]`` indices into ``cache``; positions: the rows' absolute positions,
+        ``[R]`` (``[3, R]`` under M-RoPE). Each row attends to every cached token at a sequence
+        index up to its own, its own fresh KV included. ``order``: the sequence index of every
+        cached token (int64 ``[N]``) where the cache does not hold the sequence in order (a
+        window's arena); None: a token's index in the cache. Side effect: at every layer
         run, the rows' fresh KV replace theirs in ``cache``, in place; nothing else is written
         and the context is never copied. Raises TypeError where the model's layers cannot run
         this way (MLA, DeepStack vision rows).

@@ -443,6 +443,7 @@ class DecoderAdapter(ModelAdapter):
         positions: torch.Tensor,
         cache: ModelCache,
         layers: range,
+        order: torch.Tensor | None = None,
     ) -> LayerRun:
         """The model's own decoder layers on the rows, with an additive mask over sequence
         indices and a stand-in cache (:class:`RowWriter`) that writes the rows' fresh K/V into
@@ -457,7 +458,8 @@ class DecoderAdapter(ModelAdapter):
         x = hidden.to(self.device)[None]  # [1, R, hidden]
         n = self.cache_length(cache)
         # row r sees every token at a sequence index up to its own: [1, 1, R, N], built once
-        allowed = torch.arange(n, device=self.device)[None, :] <= rows[:, None]
+        seq = torch.arange(n, device=self.device) if order is None else order.to(self.device)
+        allowed = seq[None, :] <= seq[rows][:, None]
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(x.dtype).min)
         pos = self._position_ids(positions)

@@ -81,6 +81,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
         positions: torch.Tensor,
         cache: ModelCache,
         layers: range,
+        order: torch.Tensor | None = None,
     ) -> LayerRun:
         raise TypeError("Qwen3-VL: selective recompute cannot carry DeepStack features into image rows")
 

@@ -23,7 +23,6 @@ later layers, and prepares the prompt exact (``prompt_cache.py``).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -34,7 +33,7 @@ from agent.engine.generation import Decoded, SamplingParams, TextCallback, decod
 from agent.engine.prompt import Prompt
 from agent.engine.prompt_cache import Prepared, PromptCache, PromptUsage, own_exact_prefill
 from agent.grammar import Constraint
-from agent.modes import ReuseMode
+from agent.modes import ReuseMode, guard_margin
 
 
 class Answer(NamedTuple):
@@ -53,15 +52,6 @@ class _ToExact:
     def exact(self) -> tuple[Any, torch.Tensor, int]:
         self.prepared = self.pc.prepare(self.prompt, self.tenant_salt, "exact")
         return self.prepared.cache, self.prepared.logits, self.prepared.position
-
-
-def guard_margin(margin: float, residual: float, unit: float) -> float:
-    """The guard's margin for repaired KV that is still ``residual`` from its context: ``margin``
-    at a residual of ``unit``, scaled by ``sqrt(residual / unit)`` up and down (the residual is an
-    energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
-    if unit <= 0:
-        return margin
-    return margin * math.sqrt(max(0.0, residual) / unit)
 
 
 def answer(

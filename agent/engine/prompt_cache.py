@@ -79,7 +79,17 @@ from agent.engine.prompt import (
     split_pass,
 )
 from agent.engine.reuse import Finder
-from agent.modes import DEFAULT_MODE, ReuseMode, check_mode
+from agent.modes import (
+    DEFAULT_MODE,
+    REPAIR_MARGIN,
+    REPAIR_MARGIN_CAP,
+    REPAIR_MAX_RATIO,
+    REPAIR_RATIO,
+    REPAIR_RESIDUAL_UNIT,
+    ReuseMode,
+    check_mode,
+    give_up_residual,
+)
 from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
 from cache.index import ContentIndex, RadixTree
@@ -130,11 +140,11 @@ class PromptCacheConfig:
     mode: ReuseMode = DEFAULT_MODE
     block_tokens: int = 128
     min_reuse_tokens: int = 32
-    repair_ratio: float = 0.15
-    repair_margin: float = 0.5
-    repair_residual_unit: float = 8e-7
-    repair_margin_cap: float = 3.0
-    repair_max_ratio: float = 0.15
+    repair_ratio: float = REPAIR_RATIO
+    repair_margin: float = REPAIR_MARGIN
+    repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
+    repair_margin_cap: float = REPAIR_MARGIN_CAP
+    repair_max_ratio: float = REPAIR_MAX_RATIO
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -160,9 +170,7 @@ class PromptCacheConfig:
     @property
     def give_up_residual(self) -> float:
         """The residual beyond which the guard's margin would exceed ``repair_margin_cap``."""
-        if min(self.repair_margin_cap, self.repair_margin, self.repair_residual_unit) <= 0:
-            return float("inf")
-        return self.repair_residual_unit * (self.repair_margin_cap / self.repair_margin) ** 2
+        return give_up_residual(self.repair_margin, self.repair_residual_unit, self.repair_margin_cap)
 
 
 Served = Literal["prefix", "moved", "fallback", "given_up"]

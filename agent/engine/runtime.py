@@ -261,7 +261,11 @@ class Runtime:
             budget_tokens=budget_tokens,
             tenant_salt=salt,
             reuse=reuse or pc.mode,
+            repair_ratio=pc.repair_ratio,
+            repair_max_ratio=max(pc.repair_ratio, pc.repair_max_ratio),
             repair_margin=pc.repair_margin,
+            repair_residual_unit=pc.repair_residual_unit,
+            repair_margin_cap=pc.repair_margin_cap,
         )
         with torch.inference_mode():
             return Agent(
