@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from agent.engine.limits import ServerLimits, limit_fields
-from agent.modes import MODE_HELP, REUSE_MODES
+from agent.modes import (
+    DEFAULT_MODE,
+    MODE_HELP,
+    REPAIR_MARGIN,
+    REPAIR_MARGIN_CAP,
+    REPAIR_MAX_RATIO,
+    REPAIR_RATIO,
+    REPAIR_RESIDUAL_UNIT,
+    REUSE_MODES,
+)
 
 
 def _env(name: str, default: Any) -> Any:
@@ -54,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument("--store-policy", default=_env("store_policy", "lru"))
     store.add_argument(
         "--reuse-mode",
-        default=_env("reuse_mode", "repair"),
+        default=_env("reuse_mode", DEFAULT_MODE),
         choices=REUSE_MODES,
         help="default reuse of cached KV (a request's kamera_reuse overrides it): "
         + "; ".join(f"{m}: {MODE_HELP[m]}" for m in REUSE_MODES),
@@ -62,35 +71,35 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--repair-ratio",
         type=float,
-        default=_env("repair_ratio", "0.15"),
+        default=_env("repair_ratio", str(REPAIR_RATIO)),
         help="repair: the least share of a reused piece's tokens recomputed through every layer, "
         "those whose layer-1 KV deviates most in this context",
     )
     store.add_argument(
         "--repair-max-ratio",
         type=float,
-        default=_env("repair_max_ratio", "0.15"),
+        default=_env("repair_max_ratio", str(REPAIR_MAX_RATIO)),
         help="repair: the share grows up to this while what it leaves calls for a wider guard "
         "margin than --repair-margin (at or below --repair-ratio: no growth)",
     )
     store.add_argument(
         "--repair-margin",
         type=float,
-        default=_env("repair_margin", "0.5"),
+        default=_env("repair_margin", str(REPAIR_MARGIN)),
         help="repair's guard: a greedy step on repaired KV whose best two logits lie closer than this "
         "moves decoding to exact KV (0: no guard)",
     )
     store.add_argument(
         "--repair-residual-unit",
         type=float,
-        default=_env("repair_residual_unit", "8e-7"),
+        default=_env("repair_residual_unit", str(REPAIR_RESIDUAL_UNIT)),
         help="repair's guard: the deviation a repair leaves (relative, at layer 1) at which the margin "
         "is as set; it scales with the square root of the ratio, up and down (0: the margin as set)",
     )
     store.add_argument(
         "--repair-margin-cap",
         type=float,
-        default=_env("repair_margin_cap", "3.0"),
+        default=_env("repair_margin_cap", str(REPAIR_MARGIN_CAP)),
         help="repair's guard: a repair whose residual calls for a larger margin is given up and the "
         "prompt prefilled exact at once (0: never)",
     )
