@@ -8,10 +8,13 @@ straight from the model cache (no second prefill). Canonical KV and patches of t
 are fitted after the answer, off the path to the first token.
 
 The window's reuse mode (``WindowConfig.reuse``) says what the answer may rest on: in ``repair``
-(the default) the window's moved and patched KV, with greedy decoding guarded
-(``agent.engine.generation.Guard``): the first step too close to call moves to a fresh prefill of
-the window (``ContextManager.fresh_cache``), where the tokens so far are replayed and checked,
-so from there the answer is a re-prefill's; ``fast`` is the window's KV unguarded; ``exact``
+(the default) the window's moved and patched KV, repaired as chat completions repair a prompt
+(the most deviating tokens of the chunks that are not exact recomputed in the window,
+``ContextManager.repair``), with decoding guarded (``agent.engine.generation.Guard``) by a margin
+scaled by the residual the repair left: the first step too close to call moves to a fresh
+prefill of the window (``ContextManager.fresh_cache``), where the tokens so far are replayed and
+checked, so from there the answer is a re-prefill's; a residual beyond the cap is answered on
+that prefill from the start. ``fast`` is the window's KV unguarded; ``exact``
 answers on the window's KV only while it is exact as it stands (nothing moved, patched or
 computed after other chunks: ``ContextManager.exact``), else on a fresh prefill. An exact window
 needs no guard in any mode.

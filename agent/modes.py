@@ -6,10 +6,13 @@ A mode says what an answer may be computed from:
   prefix, a window nothing has moved or patched); everything else is prefilled in context. The
   answer is the full prefill's.
 - ``repair`` (the default): cached KV at other positions or after other antecedents, moved by
-  rotation and repaired (chat completions recompute the tokens that deviate most; sessions and
-  the agent loop apply their chunks' patches). Greedy answers are guarded: the first decode step
-  whose top two logits are closer than the guard's margin moves the request to exact KV, where
-  the tokens so far are replayed and checked, so the answer is the one a full prefill gives.
+  rotation (a window's recalled chunks also take their patches) and repaired: the tokens whose
+  layer-1 KV deviates most in the new context are recomputed, in chat completions and in
+  windows alike. Answers are guarded: the first decode step whose top two logits (with the
+  step's noise, when sampled) are closer than the guard's margin moves the request to exact KV,
+  where the tokens so far are replayed and checked, so the answer is the one a full prefill
+  gives; the margin scales with the deviation the repair left, and a repair that leaves too
+  much is given up before decoding.
 - ``fast``: cached KV moved by rotation and used as is, unguarded: the fastest, and an answer
   may differ from a full prefill's.
 
