@@ -39,7 +39,8 @@ import torch
 from agent.adapters.loading import WORLD_VL, load_adapter
 from agent.adapters.qwen_vl_widths import PUBLISHED, block_groups, build
 from agent.byte_tokenizer import ByteTokenizer
-from bench.block_timer import BlockClock
+from bench.block_timer import BlockClock, Timer
+from bench.video_costs import context_cache
 from bench.video_stream_plan import Schedule, StreamQuestion, plan
 from bench.video_stream_report import print_run, print_summary, summarize
 from bench.video_stream_run import Meter, play, session_args
@@ -118,6 +119,20 @@ def budget_for(
     )
 
 
+def decode_step_s(adapter: Any, frame: Any, window: int, real: dict[str, int]) -> float:
+    """One decode step after ``window`` frames of KV (``video-costs``' unit), at the real depth."""
+    timer = Timer(adapter, real, repeats=5)
+    try:
+        cache, tokens, start = context_cache(adapter, frame, window)
+
+        def drop() -> None:
+            cache.crop(tokens - adapter.cache_length(cache))
+
+        return timer.unit(lambda: adapter.decode_step(0, cache, start), drop).scaled_s
+    finally:
+        timer.clock.close()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,6 +164,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print_run(runs[-1], file=sys.stderr)
         finally:
             clock.close()
+    decode_s = decode_step_s(adapter, adapter.image(frames[0][0]), args.window, real)
+    for r in runs:  # per frame at ingest, against one decode step after the window
+        r["decode_step_s"] = decode_s
+        r["proportions"] = {
+            "encode": r["encode_s_per_frame"] / decode_s,
+            "prefill": r["prefill_s_per_frame"] / decode_s,
+            "decode": 1.0,
+        }
     return {
         "benchmark": "video-stream",
         "command": "kamera bench video-stream " + " ".join(args.argv),
