@@ -8,8 +8,9 @@
  *   Q8_0 (34 bytes): float16 d, 32 int8 q_i; weight i is d * q_i.
  * Weights are dequantised to float32 exactly as gguf-py does (d * q is exact in float32, so one
  * rounding of d * q + m): block by block in registers when x has fewer than MANY rows (each
- * block used by up to FEW rows of x at once), else TILE rows of W at a time into a buffer that
- * every row of x then runs over.
+ * block used by up to FEW rows of x at once, and each loaded run of x by two rows of W where k is
+ * long), else TILE rows of W at a time into a buffer that the rows of x then run over, MR rows
+ * and one of the two accumulators at a time.
  *
  * Row independence: y[r, j] is computed by the same operations in the same order whatever
  * n_rows, r, n_out, the loop taken or the rows of W that j was dequantised with: a dot product
@@ -27,9 +28,13 @@
 #include <string.h>
 
 #define QK 32
-#define TILE 4 /* rows of W dequantised together for many rows of x */
-#define FEW 4  /* up to this many rows of x dequantise each block in registers */
-#define MANY 12 /* from this many rows of x on, the buffered loop */
+#define MANY 12    /* from this many rows of x on, the buffered loop */
+#define TILE 4     /* rows of W dequantised together into the buffer */
+#define MR 4       /* rows of x run together over the buffer (AVX-512) */
+#define FEW 8      /* rows of x that use each block dequantised in registers at once (AVX-512) */
+#define FEW_AVX2 4 /* the same with AVX2's sixteen registers */
+#define X_BYTES (24 * 1024) /* the most bytes of x that each block is read against (the L1 cache) */
+#define PF 2048    /* blocks are prefetched this many bytes ahead (AVX-512 few rows) */
 #define GGML_Q4_1 3
 #define GGML_Q8_0 8
 
@@ -91,6 +96,7 @@ static float dot_plain(const float *x, const float *w, int64_t k) {
 
 #ifdef KAMERA_X86
 #define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
 #define T512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -139,6 +145,17 @@ T256 INLINE void block_avx2(int kind, const uint8_t *b, __m256 *w) {
     }
 }
 
+/* a + b summed across lanes in the tree of the order below (the one GCC's _mm512_reduce_add_ps
+ * takes, written out so that no compiler's header can change it). */
+T512 INLINE float hsum_avx512(__m512 a, __m512 b) {
+    const __m512 s = _mm512_add_ps(a, b);
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    const __m256 h8 = _mm256_add_ps(high, _mm512_castps512_ps256(s));
+    const __m128 h4 = _mm_add_ps(_mm256_extractf128_ps(h8, 1), _mm256_castps256_ps128(h8));
+    const __m128 h2 = _mm_add_ps(h4, _mm_shuffle_ps(h4, h4, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
 T256 INLINE float hsum_avx2(__m256 a, __m256 b) {
     const __m256 s = _mm256_add_ps(a, b);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -146,37 +163,51 @@ T256 INLINE float hsum_avx2(__m256 a, __m256 b) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* The order of the sums, which every loop below keeps for each (row of x, row of W): two
- * accumulators, the first fed the weights 0..15 of every block (AVX-512; 0..7 and 16..23 with
- * AVX2), the second the rest, each in order of k; added and summed across lanes at the end. Two
- * loops: few rows of x dequantise each block in registers and use it at once; many rows dequantise
- * TILE rows of W into a buffer once and run register-blocked over it. A row's numbers are the same
- * whichever loop a call takes. */
+/* The order of the sums, which every loop below keeps for each (row of x, row of W); pinned against
+ * a reference in tests/test_qmatmul_order.py. Two accumulators, each lane a chain of fused
+ * multiply-adds (one rounding each) in order of k: with AVX-512 the first takes weights 0..15 of
+ * every block, the second 16..31; with AVX2 the first takes 0..7 then 16..23, the second 8..15
+ * then 24..31. At the end the two are added lane by lane and the lanes summed in a tree: lane l
+ * plus lane l + 8 (AVX-512), then l + 4, l + 2, l + 1. Two loops: few rows of x dequantise each
+ * block in registers and use it at once; many rows dequantise TILE rows of W into a buffer once
+ * and run register-blocked over it. A row's numbers are the same whichever loop a call takes. */
 
-/* Few rows: y[r] = x[r] . W[j] for nr rows of x and one row of W. */
-T512 INLINE void rows_avx512(int kind, int nr, const uint8_t *row, int64_t nb, int64_t bb, const float *x,
-                             int64_t xs, float *y, int64_t ys) {
-    __m512 a[FEW][2];
-    for (int r = 0; r < nr; r++) {
-        a[r][0] = a[r][1] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 w[2];
-        block_avx512(kind, row + b * bb, w);
-        for (int r = 0; r < nr; r++) {
-            const float *xr = x + r * xs + b * QK;
-            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w[0], a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w[1], a[r][1]);
+/* Few rows: y[r * ys + j] = x[r] . W[j] for nr rows of x and nj consecutive rows of W (row bytes
+ * rb): each block of the nj rows is dequantised once and serves the nr rows, and each loaded run
+ * of x serves the nj rows of W. */
+T512 INLINE void rows_avx512(int kind, int nr, int nj, const uint8_t *row, int64_t rb, int64_t nb, int64_t bb,
+                             const float *x, int64_t xs, float *y, int64_t ys) {
+    __m512 a[FEW][2][2];
+    UNROLL for (int r = 0; r < nr; r++) {
+        UNROLL for (int j = 0; j < nj; j++) {
+            a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
         }
     }
-    for (int r = 0; r < nr; r++) {
-        y[r * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 w[2][2];
+        UNROLL for (int j = 0; j < nj; j++) {
+            _mm_prefetch((const char *)(row + j * rb + b * bb + PF), _MM_HINT_T0);
+            block_avx512(kind, row + j * rb + b * bb, w[j]);
+        }
+        UNROLL for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * xs + b * QK;
+            const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+            UNROLL for (int j = 0; j < nj; j++) {
+                a[r][j][0] = _mm512_fmadd_ps(x0, w[j][0], a[r][j][0]);
+                a[r][j][1] = _mm512_fmadd_ps(x1, w[j][1], a[r][j][1]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < nr; r++) {
+        UNROLL for (int j = 0; j < nj; j++) {
+            y[r * ys + j] = hsum_avx512(a[r][j][0], a[r][j][1]);
+        }
     }
 }
 
 T256 INLINE void rows_avx2(int kind, int nr, const uint8_t *row, int64_t nb, int64_t bb, const float *x,
                            int64_t xs, float *y, int64_t ys) {
-    __m256 a[FEW][2];
+    __m256 a[FEW_AVX2][2];
     for (int r = 0; r < nr; r++) {
         a[r][0] = a[r][1] = _mm256_setzero_ps();
     }
@@ -196,32 +227,44 @@ T256 INLINE void rows_avx2(int kind, int nr, const uint8_t *row, int64_t nb, int
     }
 }
 
-/* Many rows: out[r * TILE + j] = x[r] . t[j] for nr rows of x and the TILE dequantised rows t. */
+/* Many rows, one of the two accumulators at a time: p[r * TILE + j] = the accumulator of half h
+ * (weights 16 h .. 16 h + 15 of every block) of x[r] . t[j], for nr rows of x and the TILE
+ * dequantised rows t. The accumulators of the two halves never meet before the final sum, so
+ * running them one after the other keeps every sum's order and halves the registers they need. */
+T512 INLINE void tile_half_avx512(int nr, int h, const float *t, int64_t k, const float *x, int64_t xs,
+                                  __m512 *p) {
+    __m512 a[MR][TILE];
+    UNROLL for (int r = 0; r < nr; r++) {
+        UNROLL for (int j = 0; j < TILE; j++) {
+            a[r][j] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t c = 16 * h; c < k; c += QK) {
+        __m512 w[TILE];
+        UNROLL for (int j = 0; j < TILE; j++) {
+            w[j] = _mm512_loadu_ps(t + j * k + c);
+        }
+        UNROLL for (int r = 0; r < nr; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * xs + c);
+            UNROLL for (int j = 0; j < TILE; j++) {
+                a[r][j] = _mm512_fmadd_ps(xv, w[j], a[r][j]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < nr; r++) {
+        UNROLL for (int j = 0; j < TILE; j++) {
+            p[r * TILE + j] = a[r][j];
+        }
+    }
+}
+
+/* out[r * TILE + j] = x[r] . t[j] for nr rows of x: both halves, then their sum. */
 T512 INLINE void tile_rows_avx512(int nr, const float *t, int64_t k, const float *x, int64_t xs, float *out) {
-    __m512 a[2][TILE][2];
-    for (int r = 0; r < nr; r++) {
-        for (int j = 0; j < TILE; j++) {
-            a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
-        }
-    }
-    for (int64_t c = 0; c < k; c += QK) {
-        for (int h = 0; h < 2; h++) {
-            __m512 w[TILE];
-            for (int j = 0; j < TILE; j++) {
-                w[j] = _mm512_loadu_ps(t + j * k + c + 16 * h);
-            }
-            for (int r = 0; r < nr; r++) {
-                const __m512 xv = _mm512_loadu_ps(x + r * xs + c + 16 * h);
-                for (int j = 0; j < TILE; j++) {
-                    a[r][j][h] = _mm512_fmadd_ps(xv, w[j], a[r][j][h]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        for (int j = 0; j < TILE; j++) {
-            out[r * TILE + j] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][j][0], a[r][j][1]));
-        }
+    __m512 p[2][MR * TILE];
+    tile_half_avx512(nr, 0, t, k, x, xs, p[0]);
+    tile_half_avx512(nr, 1, t, k, x, xs, p[1]);
+    for (int i = 0; i < nr * TILE; i++) {
+        out[i] = hsum_avx512(p[0][i], p[1][i]);
     }
 }
 
@@ -242,45 +285,88 @@ T256 INLINE void tile_rows_avx2(const float *t, int64_t k, const float *x, float
     }
 }
 
-/* Few rows of x: every row of W in turn against the rows of x in groups of FEW, each (type,
- * group size) its own inlined copy so the accumulators live in registers. */
-#define FEW_ROWS(name, target, rows)                                                                 \
-    target static void name(int kind, const uint8_t *w, int64_t n_out, int64_t k, const float *x,    \
-                            int64_t xs, int64_t n_rows, float *y, int64_t ys) {                      \
-        const int64_t nb = k / QK, bb = block_bytes(kind);                                           \
-        for (int64_t j = 0; j < n_out; j++) {                                                        \
-            const uint8_t *row = w + j * nb * bb;                                                    \
-            for (int64_t r = 0; r < n_rows; r += FEW) {                                              \
-                const int64_t nr = n_rows - r < FEW ? n_rows - r : FEW;                              \
-                const float *xr = x + r * xs;                                                        \
-                float *yr = y + r * ys + j;                                                          \
-                if (kind == GGML_Q4_1) {                                                             \
-                    switch (nr) {                                                                    \
-                    case 4: rows(GGML_Q4_1, 4, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    case 3: rows(GGML_Q4_1, 3, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    case 2: rows(GGML_Q4_1, 2, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    default: rows(GGML_Q4_1, 1, row, nb, bb, xr, xs, yr, ys); break;                 \
-                    }                                                                                \
-                } else {                                                                             \
-                    switch (nr) {                                                                    \
-                    case 4: rows(GGML_Q8_0, 4, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    case 3: rows(GGML_Q8_0, 3, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    case 2: rows(GGML_Q8_0, 2, row, nb, bb, xr, xs, yr, ys); break;                  \
-                    default: rows(GGML_Q8_0, 1, row, nb, bb, xr, xs, yr, ys); break;                 \
-                    }                                                                                \
-                }                                                                                    \
-            }                                                                                        \
+/* Few rows of x, AVX-512: the rows of x in groups of FEW against one row of W at a time, or, where
+ * FEW rows of x would not stay in the L1 cache (X_BYTES) beside the blocks, in groups of FEW / 2
+ * against two rows of W at a time (each loaded run of x serves both). Each (type, group shape) is
+ * its own inlined copy so that the accumulators live in registers. */
+#define ROWS512(K, NR, NJ) rows_avx512(K, NR, NJ, row, rb, nb, bb, xr, xs, yr, ys)
+#define SWITCH_ROWS512(K)                                                                            \
+    if (nj == 2) {                                                                                   \
+        switch (nr) {                                                                                \
+        case 4: ROWS512(K, 4, 2); break;                                                             \
+        case 3: ROWS512(K, 3, 2); break;                                                             \
+        case 2: ROWS512(K, 2, 2); break;                                                             \
+        default: ROWS512(K, 1, 2); break;                                                            \
+        }                                                                                            \
+    } else {                                                                                         \
+        switch (nr) {                                                                                \
+        case 8: ROWS512(K, 8, 1); break;                                                             \
+        case 7: ROWS512(K, 7, 1); break;                                                             \
+        case 6: ROWS512(K, 6, 1); break;                                                             \
+        case 5: ROWS512(K, 5, 1); break;                                                             \
+        case 4: ROWS512(K, 4, 1); break;                                                             \
+        case 3: ROWS512(K, 3, 1); break;                                                             \
+        case 2: ROWS512(K, 2, 1); break;                                                             \
+        default: ROWS512(K, 1, 1); break;                                                            \
         }                                                                                            \
     }
 
-FEW_ROWS(few_avx512, T512, rows_avx512)
-FEW_ROWS(few_avx2, T256, rows_avx2)
+T512 static void few_avx512(int kind, const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t xs,
+                            int64_t n_rows, float *y, int64_t ys) {
+    const int64_t nb = k / QK, bb = block_bytes(kind), rb = nb * bb;
+    const int pairs = n_rows > 1 && FEW * k * (int64_t)sizeof(float) > X_BYTES;
+    const int64_t group = pairs ? FEW / 2 : FEW;
+    for (int64_t j = 0; j < n_out;) {
+        const int nj = pairs && n_out - j >= 2 ? 2 : 1;
+        const uint8_t *row = w + j * rb;
+        for (int64_t r = 0; r < n_rows; r += group) {
+            const int nr = n_rows - r < group ? (int)(n_rows - r) : (int)group;
+            const float *xr = x + r * xs;
+            float *yr = y + r * ys + j;
+            if (kind == GGML_Q4_1) {
+                SWITCH_ROWS512(GGML_Q4_1)
+            } else {
+                SWITCH_ROWS512(GGML_Q8_0)
+            }
+        }
+        j += nj;
+    }
+}
 
-/* Many rows of x: TILE rows of W dequantised into t, then every row of x against them. */
+/* Few rows of x, AVX2: every row of W in turn against the rows of x in groups of FEW_AVX2. */
+T256 static void few_avx2(int kind, const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t xs,
+                          int64_t n_rows, float *y, int64_t ys) {
+    const int64_t nb = k / QK, bb = block_bytes(kind);
+    for (int64_t j = 0; j < n_out; j++) {
+        const uint8_t *row = w + j * nb * bb;
+        for (int64_t r = 0; r < n_rows; r += FEW_AVX2) {
+            const int64_t nr = n_rows - r < FEW_AVX2 ? n_rows - r : FEW_AVX2;
+            const float *xr = x + r * xs;
+            float *yr = y + r * ys + j;
+            if (kind == GGML_Q4_1) {
+                switch (nr) {
+                case 4: rows_avx2(GGML_Q4_1, 4, row, nb, bb, xr, xs, yr, ys); break;
+                case 3: rows_avx2(GGML_Q4_1, 3, row, nb, bb, xr, xs, yr, ys); break;
+                case 2: rows_avx2(GGML_Q4_1, 2, row, nb, bb, xr, xs, yr, ys); break;
+                default: rows_avx2(GGML_Q4_1, 1, row, nb, bb, xr, xs, yr, ys); break;
+                }
+            } else {
+                switch (nr) {
+                case 4: rows_avx2(GGML_Q8_0, 4, row, nb, bb, xr, xs, yr, ys); break;
+                case 3: rows_avx2(GGML_Q8_0, 3, row, nb, bb, xr, xs, yr, ys); break;
+                case 2: rows_avx2(GGML_Q8_0, 2, row, nb, bb, xr, xs, yr, ys); break;
+                default: rows_avx2(GGML_Q8_0, 1, row, nb, bb, xr, xs, yr, ys); break;
+                }
+            }
+        }
+    }
+}
+
+/* Many rows of x: TILE rows of W dequantised into t, then the rows of x against them, MR at a time. */
 T512 static void many_avx512(int kind, const uint8_t *w, int64_t n_out, int64_t k, const float *x, int64_t xs,
                              int64_t n_rows, float *y, int64_t ys, float *t) {
     const int64_t nb = k / QK, bb = block_bytes(kind);
-    float out[2 * TILE];
+    float out[MR * TILE];
     for (int64_t j0 = 0; j0 < n_out; j0 += TILE) {
         const int nj = n_out - j0 < TILE ? (int)(n_out - j0) : TILE;
         for (int j = 0; j < nj; j++) {
@@ -291,12 +377,14 @@ T512 static void many_avx512(int kind, const uint8_t *w, int64_t n_out, int64_t 
                 _mm512_storeu_ps(t + j * k + b * QK + 16, v[1]);
             }
         }
-        for (int64_t r = 0; r < n_rows; r += 2) {
-            const int nr = n_rows - r < 2 ? 1 : 2;
-            if (nr == 2) {
-                tile_rows_avx512(2, t, k, x + r * xs, xs, out);
-            } else {
-                tile_rows_avx512(1, t, k, x + r * xs, xs, out);
+        for (int64_t r = 0; r < n_rows; r += MR) {
+            const int nr = n_rows - r < MR ? (int)(n_rows - r) : MR;
+            const float *xr = x + r * xs;
+            switch (nr) {
+            case MR: tile_rows_avx512(MR, t, k, xr, xs, out); break;
+            case 3: tile_rows_avx512(3, t, k, xr, xs, out); break;
+            case 2: tile_rows_avx512(2, t, k, xr, xs, out); break;
+            default: tile_rows_avx512(1, t, k, xr, xs, out); break;
             }
             for (int i = 0; i < nr; i++) {
                 memcpy(y + (r + i) * ys + j0, out + i * TILE, (size_t)nj * sizeof(float));
