@@ -156,7 +156,7 @@ class ContextManager:
         (MLA, DeepStack vision rows). The window and its live cache are left bit for bit as they
         were; vision features come from the adapter's cache."""
         rows = self._inexact_rows(skip_last)
-        if rows is None:
+        if rows is None or layer >= self.adapter.info.n_layers:
             return None
         if rows.candidates.numel() == 0:
             return 0.0
@@ -174,16 +174,14 @@ class ContextManager:
         """CacheBlend on the window, as chat completions repair a prompt: the tokens of every
         chunk after the exact leading run are candidates, ``selection(candidates)`` chooses the
         most deviating at its layer and recomputes them through every layer, in the live cache
-        (the others keep their KV). The deviation left is returned (``Repaired``; 0 tokens and a
-        residual of 0 where every chunk is exact); None where the model cannot run on rows. The
+        (the others keep their KV). The deviation left is returned (``Repaired``); None where
+        nothing was measured: every chunk in the exact run, or a model that cannot run on rows. The
         candidates' chunks are marked repaired: their KV in the window is no longer bit for bit
         what they were stored with, so they never count as exact again (``exact_run``); what the
         store keeps of them is unchanged."""
         rows = self._inexact_rows(0)
-        if rows is None:
+        if rows is None or rows.candidates.numel() == 0:
             return None
-        if rows.candidates.numel() == 0:
-            return Repaired(0, 0.0)
         sel = selection(rows.candidates)
         try:
             with torch.inference_mode():

@@ -247,8 +247,9 @@ class Agent:
         residual: float | None = None
         repaired = 0
         served: Served = "prefix"
-        give_up = False
+        give_up = attempted = False
         if reuse == "repair" and cfg.repair_margin > 0 and not cm.exact:
+            attempted = True
             # chat completions' repair on the window's inexact chunks, before the step's new
             # tokens attend to them; too far from this context even so, and the step is answered
             # on a fresh prefill before anything else is spent on the window's KV
@@ -272,8 +273,8 @@ class Agent:
             served = "prefix" if exact else "moved"
         guard = None
         if reuse == "repair" and cfg.repair_margin > 0 and served == "moved":
-            if residual is None:  # not repaired (a model that cannot run on rows, or a late slide)
-                residual = cm.residual(skip_last=len(ids))
+            if not attempted:  # the window was exact until its new chunks slid it
+                residual = cm.residual(skip_last=len(ids)) or None  # 0: nothing to measure
             # the guard's margin follows the deviation left (unmeasured: the margin as set)
             measured = cfg.repair_residual_unit if residual is None else residual
             margin = guard_margin(cfg.repair_margin, measured, cfg.repair_residual_unit)
