@@ -93,11 +93,21 @@ def stream(args: argparse.Namespace, adapter: Any, folder: Path) -> tuple[list[t
     return frames, episodes
 
 
+def held_frames(args: argparse.Namespace, questions: Sequence[StreamQuestion], labelled: bool) -> int:
+    """The most frames the window holds: ``--window``; twice that on a re-anchored window, and a
+    look-back's episode after it in the chat layout."""
+    if args.window_policy == "slide":
+        return int(args.window)
+    episode = 0 if labelled else max((int(q.frames[1] - q.frames[0]) + 1 for q in questions), default=0)
+    return 2 * args.window + episode
+
+
 def budget_for(
     adapter: Any, frame: Any, questions: Sequence[StreamQuestion], args: argparse.Namespace, labelled: bool
 ) -> int:
-    """Tokens for the system prompt, ``--window`` frames (with their labels in the labelled
-    layout), the longest question and its answer."""
+    """Tokens for the system prompt, ``--window`` frames (twice that on a re-anchored window, and
+    a look-back's episode after it in the chat layout; with their labels in the labelled layout),
+    the longest question and its answer."""
     from agent.engine.chat import ChatML
     from demos.video_session import LabelledFrames
 
@@ -107,7 +117,7 @@ def budget_for(
     def n(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
-    frames = max(args.window, args.prompt_frames if labelled else 0)
+    frames = max(held_frames(args, questions, labelled), args.prompt_frames if labelled else 0)
     labels = sum(n(f"frame {k}") for k in range(1, frames + 1)) if labelled else 0
     question = max(n(chat.instruction(q.text)) for q in questions)
     return (
@@ -143,6 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         frames, episodes = stream(args, adapter, Path(tmp))
     questions = plan(episodes, schedule)
     budget = budget_for(adapter, frames[0][0], questions, args, labelled)
+    anchor = args.window if args.window_policy == "anchor" else None
+    held = held_frames(args, questions, labelled)
     runs = []
     for mode in args.reuse_modes:
         clock = BlockClock(block_groups(adapter))
@@ -154,13 +166,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     budget=budget,
                     reuse_mode=mode,
                     layout="labelled" if labelled else "chat",
-                    frames_per_question=args.prompt_frames if labelled else args.window,
+                    frames_per_question=args.prompt_frames if labelled else held,
                     max_new_tokens=args.max_new_tokens,
                 ),
+                anchor=anchor,
             )
-            print(f"{args.model} / {mode}: {len(frames)} frames, {len(questions)} questions", file=sys.stderr)
+            print(
+                f"{args.model} / {mode} / {args.window_policy}: {len(frames)} frames, "
+                f"{len(questions)} questions",
+                file=sys.stderr,
+            )
             rows = play(session, frames, questions, meter, args.window)
             runs.append(summarize(session, meter, rows, mode, args))
+            runs[-1]["reanchors"] = session.reanchors
             print_run(runs[-1], file=sys.stderr)
         finally:
             clock.close()
@@ -185,8 +203,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "frames": len(frames),
         "frame_size": list(frames[0][0].size),
         "window_frames": args.window,
+        "window_policy": args.window_policy,
         "budget_tokens": budget,
-        "prompt_frames": args.prompt_frames if labelled else args.window,
+        "prompt_frames": args.prompt_frames if labelled else held,  # chat: the window, at most
         "every_s": args.every,
         "lookback_every": args.lookback_every,
         "torch_threads": torch.get_num_threads(),
@@ -201,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=100, help="6-frame episodes back to back (100: 10 min)")
     p.add_argument("--start", type=int, default=0, help="first episode index in the split")
     p.add_argument("--window", type=int, default=32, help="frames the window holds (32)")
+    p.add_argument(
+        "--window-policy",
+        choices=("anchor", "slide"),
+        default="anchor",
+        help="anchor: the window grows from --window to twice that, then its newest --window frames "
+        "are prefilled again once; slide: the oldest frames slide out, 8 at a time (anchor)",
+    )
     p.add_argument("--every", type=int, default=6, help="seconds between questions (6)")
     p.add_argument("--lookback-every", type=int, default=4, help="every n-th question looks back (4)")
     p.add_argument("--back", type=int, default=60, help="a look-back reaches this far back, s (60)")

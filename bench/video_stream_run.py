@@ -78,13 +78,19 @@ class Meter:
         return out, total, scaled
 
 
-def prompt_spans(q: StreamQuestion, window: int, labelled: bool) -> tuple[tuple[float, float], ...]:
+def prompt_spans(
+    q: StreamQuestion, window: int, labelled: bool, first: float | None = None
+) -> tuple[tuple[float, float], ...]:
     """The frames a question's prompt holds. Labelled (the world model): the plan's frames, those
     its training layout reads. Chat: the whole window, the last ``window`` frames before the
-    question, with a look-back's episode in place of the oldest of them."""
+    question, with a look-back's episode in place of the oldest of them; on a re-anchored window
+    (``first``: the time of the oldest frame it holds) every frame it holds, and a look-back's
+    episode besides."""
     if labelled:
         return (q.frames,)
     now = q.at - 0.5  # the last frame that has arrived
+    if first is not None:
+        return ((first, now),) if q.kind == "recent" else (q.frames, (first, now))
     if q.kind == "recent":
         return ((now - window + 1, now),)
     episode = q.frames[1] - q.frames[0] + 1
@@ -129,7 +135,9 @@ def play(
         while pending and pending[0].at < t:
             q = pending.pop(0)
             meter.run("ingest", session.flush)  # every frame that has arrived is in the window
-            session.retrieval = TimeSpans(prompt_spans(q, window, labelled))
+            held = [float(v.meta["t"]) for v in session.cm.view() if v.kind == "frame"]
+            first = min(held, default=None) if session.anchor is not None else None
+            session.retrieval = TimeSpans(prompt_spans(q, window, labelled, first))
             asked = Asked(q.index, q.text, q.at, q.expected)
             calls = encoder_calls(adapter)
             _, run_s, scaled_s = meter.run("answer", partial(session.answer, asked, q.at))

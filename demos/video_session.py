@@ -9,6 +9,11 @@ evicted ones with ``ContextManager.recall``: no vision encoder, no prefill of th
 ``--ingest eager``; under ``--ingest lazy`` (the default) a frame is kept as decoded, keyed by its
 pixels, and is preprocessed, encoded and prefilled only when a question first picks it.
 
+Eager ingest with ``anchor=W`` re-anchors the window instead of sliding it: frames accumulate from
+W to 2W, and the frame that would make 2W + 1 sends the oldest to the store and the newest W are
+prefilled again, once, in one pass from their cached features. Every window a question finds is
+then what a fresh prefill of it computes (``ContextManager.exact``).
+
 Not here: decoding the video or parsing the command line (``video_qa.py``).
 """
 
@@ -75,7 +80,11 @@ LAYOUTS = ("auto", "chat", "labelled")
 class VideoSession:
     """One video played through one agent window; frames in, questions answered on demand."""
 
-    def __init__(self, adapter: ModelAdapter, args: argparse.Namespace) -> None:
+    def __init__(self, adapter: ModelAdapter, args: argparse.Namespace, anchor: int | None = None) -> None:
+        """``anchor``: re-anchor the window at 2 x ``anchor`` frames down to the newest ``anchor``
+        (eager ingest; the budget must hold 2 x ``anchor`` frames); None: slide by the budget."""
+        if anchor is not None and (anchor <= 0 or args.ingest != "eager"):
+            raise UsageError(f"a window re-anchors at > 0 frames under eager ingest, not {anchor}")
         self.adapter = adapter
         self.args = args
         self.labelled = layout_of(args) == "labelled"
@@ -95,9 +104,15 @@ class VideoSession:
         # frames enter only when asked for, and when reuse must be exact; in repair mode on the
         # labelled layout too, where a frame's KV depends on the label in front of it and moving
         # labels by rotation changes answers (docs/video_qa.md)
+        # and on a re-anchored window, which is exact as it stands
+        self.anchor = anchor
         self.exact_window = (
-            self.lazy or args.reuse_mode == "exact" or (self.labelled and args.reuse_mode == "repair")
+            self.lazy
+            or anchor is not None
+            or args.reuse_mode == "exact"
+            or (self.labelled and args.reuse_mode == "repair")
         )
+        self.reanchors = 0
         self.frames: list[FrameRecord] = []
         self.inputs: dict[str, ChunkInput] = {}  # frames and labels by chunk id
         self.reprefill: dict[str, Any] | None = None
@@ -168,14 +183,32 @@ class VideoSession:
             while self.pending and tokens + self.pending[0][0].n_tokens <= room:
                 tokens += self.pending[0][0].n_tokens
                 batch.append(self.pending.pop(0))
+            again = [] if self.anchor is None else self._reanchor(self.anchor, len(batch))
             self._make_room(tokens)
-            ids = self.cm.append_many([c for c, _ in batch], [{"kind": "frame", "t": t} for _, t in batch])
-            for cid, (chunk, t) in zip(ids, batch, strict=True):
+            metas = [meta for _, meta in again] + [{"kind": "frame", "t": t} for _, t in batch]
+            ids = self.cm.append_many([c for c, _ in again] + [c for c, _ in batch], metas)
+            for cid, (chunk, t) in zip(ids[len(again) :], batch, strict=True):
                 self.inputs[cid] = chunk
                 embedding = None
                 if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run
                     embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
                 self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+
+    def _reanchor(self, anchor: int, incoming: int) -> list[tuple[ChunkInput, dict[str, Any]]]:
+        """Where ``incoming`` more frames would take the window past 2 x ``anchor`` frames, send
+        the chunks before the newest ``anchor`` frames (counting the incoming) to the store,
+        recallable, and drop the survivors (their KV was computed after frames now gone); returns
+        the survivors' inputs and metadata, to be prefilled again in one pass with the incoming
+        frames (cached features: no encoder run)."""
+        view = self.cm.view()
+        held = [i for i, v in enumerate(view) if v.kind == "frame"]
+        if len(held) + incoming <= 2 * anchor:
+            return []
+        stay = held[len(held) - (anchor - incoming) :] if incoming < anchor else []
+        self.cm.slide((stay[0] if stay else len(view)) - 1)
+        self.cm.cut(0, store=False)
+        self.reanchors += 1
+        return [(self.inputs[view[i].chunk_id], view[i].meta) for i in stay]
 
     def _make_room(self, n_tokens: int) -> None:
         """Slide out at least ``--evict-batch`` chunks once the window is full: survivors are
@@ -230,6 +263,8 @@ class VideoSession:
         window = self.cm.view()[1:]
         q.frame_times = [float(v.meta["t"]) for v in window if v.kind == "frame"]
         q.window_ids = [v.chunk_id for v in window if v.kind in ("frame", "label")]
+        if self.anchor is not None and not self.labelled:
+            self._drop_lookback()
         q.answer = result.output.strip()
         q.ttft_ms = prepare_ms + result.report.ttft_ms
         q.answer_ms = prepare_ms + result.report.total_ms
@@ -259,7 +294,13 @@ class VideoSession:
         seen before runs no vision encoder (its features are kept by content)."""
         pieces: list[tuple[str, ChunkInput, dict[str, Any]]] = []
         salt = self.cm.config.tenant_salt
-        for k, f in enumerate(sorted(chosen, key=lambda f: f.t), 1):
+        order = sorted(chosen, key=lambda f: f.t)
+        if self.anchor is not None and not self.labelled:
+            # the re-anchored window first, as it stands; a look-back's frames after it, with the
+            # question (in time order, they would come first and nothing could be kept)
+            present = {v.chunk_id for v in self.cm.view()}
+            order.sort(key=lambda f: f.chunk_id not in present)
+        for k, f in enumerate(order, 1):
             if self.labelled:
                 label_id, label = self._label_piece(k)
                 pieces.append((label_id, label, {"kind": "label"}))
@@ -268,6 +309,15 @@ class VideoSession:
         keep = self.cm.exact_run([cid for cid, _, _ in pieces])
         self.cm.cut(keep, store=False)  # what leaves is prefilled again if asked for: features kept
         return keep, [(chunk, meta) for _, chunk, meta in pieces[keep:]]
+
+    def _drop_lookback(self) -> None:
+        """After a question on a re-anchored window: the look-back frames it prefilled after the
+        window (older than the window's newest) leave it unstored, as ``_place_exact`` drops what
+        it re-prefills; the window is again the stream's frames in time order."""
+        times = [float(v.meta["t"]) for v in self.cm.view()[1:]]
+        back = next((i for i in range(1, len(times)) if times[i] < times[i - 1]), None)
+        if back is not None:
+            self.cm.cut(back, store=False)
 
     def _bring_in(self, chosen: Sequence[FrameRecord]) -> list[float]:
         """Make the chosen frames present: evict unchosen chunks (oldest first) to make room, then

@@ -86,6 +86,8 @@ def test_tiny_stream(tmp_path: Path) -> None:
         "112",
         "--reuse-modes",
         "exact,repair",
+        "--window-policy",
+        "slide",
     )
     assert report["frames"] == 48
     assert report["frame_size"] == [112, 112]
@@ -111,6 +113,105 @@ def test_tiny_stream(tmp_path: Path) -> None:
     assert all(r["served"] == "prefix" for r in exact["rows"])
     # repair brings a look-back's evicted frames back from the store
     assert all(r["recalled"] >= 6 for r in repair["rows"] if r["kind"] == "look-back")
+
+
+def _session(anchor: int | None, window: int) -> tuple[Any, list[Any]]:
+    """A tiny-model session of eager ingest and 20 distinct frames (each flushed as it comes)."""
+    from PIL import Image
+
+    from bench.video_stream_run import session_args
+    from demos.video_session import VideoSession
+    from demos.vl_model import load_vl_adapter
+
+    adapter = load_vl_adapter("tiny")
+    frames = [Image.new("RGB", (56, 56), (12 * i, 255 - 12 * i, 7 * i)) for i in range(20)]
+    per_frame = adapter.image(frames[0]).n_tokens
+    args = session_args(
+        budget=60 + 2 * window * per_frame,
+        reuse_mode="exact",
+        layout="chat",
+        frames_per_question=2 * window,
+        max_new_tokens=1,
+    )
+    return VideoSession(adapter, args, anchor=anchor), frames
+
+
+def test_a_re_anchored_window_is_exact_after_every_batch() -> None:
+    from agent.adapters.vision import encoder_calls
+    from agent.context_types import Source
+
+    session, frames = _session(anchor=4, window=4)
+    held = []
+    for t, image in enumerate(frames):
+        session.add_frame(image, float(t))
+        session.flush()
+        calls = encoder_calls(session.adapter)
+        assert calls == t + 1  # the re-prefill of the survivors runs no encoder
+        view = session.cm.view()[1:]
+        held.append(len(view))
+        assert session.cm.exact
+        assert all(v.source == Source.PREFILLED for v in view)
+        assert [v.meta["t"] for v in view] == [float(x) for x in range(t + 1 - len(view), t + 1)]
+    assert max(held) == 8  # grows from 4 to 8 frames, never past
+    assert min(held[4:]) >= 4
+    assert session.reanchors == 3  # at the 9th, 14th and 19th frame: down to 4, up to 8
+    assert len(session.cm.evicted) == 15  # the oldest went to the store, recallable
+
+
+def test_a_sliding_window_stops_being_exact() -> None:
+    session, frames = _session(anchor=None, window=4)
+    exact = []
+    for t, image in enumerate(frames):
+        session.add_frame(image, float(t))
+        session.flush()
+        exact.append(session.cm.exact)
+    assert exact[0]
+    assert not exact[-1]
+    assert session.reanchors == 0
+
+
+def test_tiny_stream_re_anchored(tmp_path: Path) -> None:
+    report = _run(
+        tmp_path,
+        "--model",
+        "tiny",
+        "--episodes",
+        "8",
+        "--window",
+        "8",
+        "--lookback-every",
+        "2",
+        "--back",
+        "18",
+        "--frame-size",
+        "112",
+        "--reuse-modes",
+        "exact,repair",
+        "--window-policy",
+        "anchor",
+    )
+    assert report["window_policy"] == "anchor"
+    for run in report["runs"]:
+        rows = run["rows"]
+        assert run["reanchors"] >= 2
+        assert run["vision_encoder_calls"] == run["distinct_frames"] == 48
+        assert run["lookback_encoder_calls"] == 0
+        # every question on a window exact as it stands: only the question (and a look-back's six
+        # frames, after the window) prefilled, and re-encoding's answer
+        assert all(r["served"] == "prefix" for r in rows)
+        assert run["same_as_baseline"] == run["questions"] == 8
+        for r in rows:
+            extra = 6 if r["kind"] == "look-back" else 0
+            assert r["reused_chunks"] == r["frames"] - extra
+            assert r["frames"] <= 2 * 8 + extra
+            assert r["baseline_encoder_calls"] == r["frames"]
+            assert r["recalled"] == 0
+        look_back = [r for r in rows if r["kind"] == "look-back"]
+        assert look_back
+        assert all(r["tokens_prefilled"] > 6 * 16 for r in look_back)
+        # the question alone (byte tokens, about 60), not the window's 8 to 16 frames of 18
+        assert max(r["tokens_prefilled"] for r in rows if r["kind"] == "recent") < 100
+    assert max(r["reused_chunks"] for r in report["runs"][0]["rows"]) > 8  # grew past W
 
 
 NO_WORLD = not any(WORLD_VL_DIR.glob("*.safetensors"))
