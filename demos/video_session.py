@@ -9,6 +9,10 @@ evicted ones with ``ContextManager.recall``: no vision encoder, no prefill of th
 ``--ingest eager``; under ``--ingest lazy`` (the default) a frame is kept as decoded, keyed by its
 pixels, and is preprocessed, encoded and prefilled only when a question first picks it.
 
+On the labelled layout (the world model's) a question's window is its frames, each after a
+``frame k`` label, prefilled with the question from cached features; eager ingest there encodes
+each frame as it comes and prefills nothing, since a frame's KV without its label is never read.
+
 Eager ingest with ``anchor=W`` re-anchors the window instead of sliding it: frames accumulate from
 W to 2W, and the frame that would make 2W + 1 sends the oldest to the store and the newest W are
 prefilled again, once, in one pass from their cached features. Every window a question finds is
@@ -176,7 +180,11 @@ class VideoSession:
         return chunk
 
     def flush(self) -> None:
-        """Put the queued frames into the window."""
+        """Put the queued frames into the window; on the labelled layout's exact windows, encode
+        them only (:meth:`_encode_pending`)."""
+        if self.labelled and self.exact_window:
+            self._encode_pending()
+            return
         while self.pending:
             room = self.args.budget - self.prefix_tokens
             batch, tokens = [], 0
@@ -193,6 +201,23 @@ class VideoSession:
                 if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run
                     embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
                 self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+
+    def _encode_pending(self) -> None:
+        """Run the vision encoder over the queued frames (one batch) and keep their features, with
+        nothing prefilled. A labelled window is built per question, each frame after its
+        ``frame k`` label (:meth:`_place_exact`), so the KV a frame gets in the stream without its
+        label is never read: prefilling it would only cost time. A question then prefills its
+        labelled frames from the cached features (no encoder run)."""
+        self.adapter.encode_images([chunk for chunk, _ in self.pending])  # type: ignore[attr-defined]
+        salt = self.cm.config.tenant_salt
+        for chunk, t in self.pending:
+            cid = self.adapter.chunk_key(chunk, salt)
+            self.inputs[cid] = chunk
+            embedding = None
+            if self.retrieval.name == "similarity":  # a hit in the feature cache: no encoder run
+                embedding = self.adapter.image_features(chunk).float().mean(0)  # type: ignore[attr-defined]
+            self.frames.append(FrameRecord(cid, t, chunk.n_tokens, embedding))
+        self.pending.clear()
 
     def _reanchor(self, anchor: int, incoming: int) -> list[tuple[ChunkInput, dict[str, Any]]]:
         """Where ``incoming`` more frames would take the window past 2 x ``anchor`` frames, send

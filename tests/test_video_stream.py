@@ -158,6 +158,44 @@ def test_a_re_anchored_window_is_exact_after_every_batch() -> None:
     assert len(session.cm.evicted) == 15  # the oldest went to the store, recallable
 
 
+@pytest.mark.parametrize("mode", ["exact", "repair"])
+def test_labelled_eager_ingest_encodes_and_prefills_nothing(mode: str) -> None:
+    """On the labelled layout a question prefills its frames after their labels, so the stream's
+    frames are encoded as they come and nothing of them is prefilled until a question asks;
+    the answer is re-encoding's, and the question runs no encoder."""
+    from PIL import Image
+
+    from agent.adapters.vision import encoder_calls
+    from bench.video_stream_run import session_args
+    from demos.video_session import Asked, VideoSession
+    from demos.vl_model import load_vl_adapter
+
+    adapter = load_vl_adapter("tiny")
+    frames = [Image.new("RGB", (56, 56), (20 * i, 200 - 15 * i, 9 * i)) for i in range(12)]
+    per_frame = adapter.image(frames[0]).n_tokens
+    args = session_args(
+        budget=200 + 12 * per_frame, reuse_mode=mode, layout="labelled", frames_per_question=4, max_new_tokens=2
+    )
+    session = VideoSession(adapter, args)
+    prefilled = session.cm.counters.tokens_prefilled
+    for t, image in enumerate(frames):
+        session.add_frame(image, float(t))
+    session.flush()
+    assert encoder_calls(adapter) == 12
+    assert len(session.cm.view()) == 1  # the system prompt alone
+    assert session.cm.counters.tokens_prefilled == prefilled
+    assert [f.t for f in session.frames] == [float(t) for t in range(12)]
+    q = Asked(0, "What is shown?", None)
+    session.answer(q, 12.0)
+    assert encoder_calls(adapter) == 12  # the question's frames came from cached features
+    assert q.frame_times == [8.0, 9.0, 10.0, 11.0]
+    assert [v.kind for v in session.cm.view()[1:]] == ["label", "frame"] * 4
+    session.reencode_one(q)
+    assert q.reencoded is not None
+    assert q.reencoded[1] == q.answer
+    assert q.reencoded[2] == 4  # re-encoding runs the encoder on every frame it answers on
+
+
 def test_a_sliding_window_stops_being_exact() -> None:
     session, frames = _session(anchor=None, window=4)
     exact = []
