@@ -174,7 +174,11 @@ def test_labelled_eager_ingest_encodes_and_prefills_nothing(mode: str) -> None:
     frames = [Image.new("RGB", (56, 56), (20 * i, 200 - 15 * i, 9 * i)) for i in range(12)]
     per_frame = adapter.image(frames[0]).n_tokens
     args = session_args(
-        budget=200 + 12 * per_frame, reuse_mode=mode, layout="labelled", frames_per_question=4, max_new_tokens=2
+        budget=200 + 12 * per_frame,
+        reuse_mode=mode,
+        layout="labelled",
+        frames_per_question=4,
+        max_new_tokens=2,
     )
     session = VideoSession(adapter, args)
     prefilled = session.cm.counters.tokens_prefilled
