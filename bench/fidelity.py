@@ -21,6 +21,11 @@ prefix's exact KV and rebuilds the chunks' KV its own way, side by side on the s
 - ``oracle-select-<pct>`` (oracle): blind, then the ``pct`` % of chunk tokens whose KV, summed
   over every layer, lies furthest from this very prompt's full prefill recomputed the same way:
   a bound on what choosing which tokens to recompute can buy (``--oracle-select``, off by default).
+- ``orbit-r<m>``: canonical + a rank-m orbit patch per chunk (``cache/orbit.py``), fitted on
+  the chunk's Δ under ``--orbit`` other orders of the same chunks, each prefilled in full
+  (drawn with a fixed seed, never the served order): what a server that has seen the set in
+  other orders could store. Deployable; its cost is those prefills, paid once per set.
+  ``orbit-r<m>+cacheblend-<pct>`` (and ``+guard``): CacheBlend's recompute and the guard on top.
 - ``cacheblend-<pct>+guard``: ``kamera serve``'s ``repair`` method through its own code
   (``agent/recompute.py``, ``generation.decode`` and its guard), on this bench's placement of the
   chunks rather than the prompt cache's: the same recompute, then greedy decoding under the
@@ -46,7 +51,7 @@ The report keeps the deployable methods (``prefix``, ``blind``, ``cacheblend-*``
 apart from the oracles: each method's JSON has ``"oracle": true|false``, the report lists both
 (``deployable``, ``oracle``) and prints them in separate tables (``bench/methods.py``).
 
-Not here: storing patches (``cache/store``), orbit patches over reorderings (``cache/orbit.py``).
+Not here: storing patches (``cache/store``), fitting orbit patches (``cache/orbit.py``).
 """
 
 from __future__ import annotations
@@ -128,6 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="oracle recompute ratios, %% of chunk tokens: those furthest from the full prefill's KV",
     )
     parser.add_argument(
+        "--orbit",
+        type=int,
+        default=0,
+        help="orbit-r<m> rows: patches fitted on this many other orders of the chunks, each "
+        "prefilled in full (0: none)",
+    )
+    parser.add_argument(
         "--guard-margin",
         type=float,
         default=FidelityConfig.guard_margin,
@@ -176,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         guard_margin=args.guard_margin,
         residual_unit=args.residual_unit,
         guard_cap=args.guard_cap,
+        orbit_orderings=args.orbit,
         canonical=CANONICAL_MODES if args.canonical == "both" else (args.canonical,),
         max_chunk_tokens=args.max_chunk_tokens or None,
         max_new_tokens=args.max_new_tokens,

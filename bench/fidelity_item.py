@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -33,7 +34,8 @@ from bench.methods import (
     recompute_selections,
 )
 from cache.layout import ChunkKV
-from cache.patch import PatchConfig
+from cache.orbit import Delta, fit_orbit, sample_orderings
+from cache.patch import KV, PatchConfig, apply_and_place
 from cache.rank import rank_strategy
 
 SYSTEM = "Answer the question from the passages. Reply with the answer only, in a few words."
@@ -60,6 +62,7 @@ class FidelityConfig:
     guard_margin: float = PromptCacheConfig.repair_margin  # 0 leaves out the guarded rows
     residual_unit: float = PromptCacheConfig.repair_residual_unit  # the margin scales with residual / unit
     guard_cap: float = PromptCacheConfig.repair_margin_cap  # a larger margin: repair given up (0: never)
+    orbit_orderings: int = 0  # other orders of the chunks an orbit patch is fitted on (0: no orbit rows)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.canonical if m not in CANONICAL_MODES]
@@ -75,6 +78,8 @@ class FidelityConfig:
             raise ValueError(f"guard_margin must be a finite number >= 0, got {self.guard_margin}")
         if not 0 <= self.residual_unit < float("inf"):
             raise ValueError(f"residual_unit must be a finite number >= 0, got {self.residual_unit}")
+        if self.orbit_orderings < 0:
+            raise ValueError(f"orbit_orderings must be >= 0, got {self.orbit_orderings}")
 
 
 class Prompt(NamedTuple):
@@ -237,6 +242,33 @@ def _patch_configs(
     return out
 
 
+def other_orderings(n: int, count: int) -> list[tuple[int, ...]]:
+    """Up to ``count`` orders of ``n`` chunks, never the served one (``0 .. n-1``): what an orbit
+    patch for the served order may be fitted on. Drawn with a fixed seed, the same for every item
+    of a size, so the orders do not depend on the item's content."""
+    served = tuple(range(n))
+    drawn = [o for o in sample_orderings(n, count + 1, seed=n) if o != served]
+    return drawn[:count]
+
+
+def orbit_deltas(
+    adapter: ModelAdapter, prompt: Prompt, orders: Sequence[tuple[int, ...]]
+) -> list[list[list[ChunkKV]]]:
+    """Each chunk's KV (pre-RoPE) in the full prefill of each of ``orders``: ``[order][chunk]``,
+    chunks by their index in the served prompt. One full prefill per order: what the server
+    would have computed when the set was shown in those orders."""
+    out = []
+    for order in orders:
+        fp = full_prefill(
+            adapter, adapter.text(prompt.prefix), [adapter.text(prompt.chunks[i]) for i in order]
+        )
+        by_chunk: list[ChunkKV] = [fp.conditioned[0]] * len(order)
+        for slot, i in enumerate(order):
+            by_chunk[i] = fp.conditioned[slot]
+        out.append(by_chunk)
+    return out
+
+
 def reference_pass(adapter: ModelAdapter, prompt: Prompt) -> FullPrefill:
     """The full prefill: the pinned prefix, then each chunk in order on the same cache."""
     return full_prefill(adapter, adapter.text(prompt.prefix), [adapter.text(c) for c in prompt.chunks])
@@ -273,6 +305,11 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
     later = sum(lengths[1:]) / max(1, sum(lengths))
     methods: dict[str, dict[str, MethodRecord]] = {}
     deficit: dict[str, list[float]] = {}
+    ids, positions = prompt.context, torch.arange(p + sum(lengths))
+    candidates = torch.arange(p, p + sum(lengths))
+    # the orders an orbit patch is fitted on, prefilled once for every canonical mode
+    orders = other_orderings(len(prompt.chunks), config.orbit_orderings)
+    orbit_kv = orbit_deltas(adapter, prompt, orders) if orders else []
     for mode in config.canonical:
         canon = _canonicals(adapter, prompt, prefix_kv, mode)
         recs: dict[str, MethodRecord] = {}
@@ -304,8 +341,6 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
             )
             recs[name] = score(k, v, rec)
 
-        ids, positions = prompt.context, torch.arange(p + sum(lengths))
-        candidates = torch.arange(p, p + sum(lengths))
         selections = recompute_selections(config.cacheblend, config.epic, candidates, starts, lengths)
         # the oracle selection: the tokens whose KV, over every layer, lies furthest from this very
         # prompt's full prefill (a bound on what choosing tokens can buy; no server knows it)
@@ -316,12 +351,23 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 n_sel = max(1, round(pct / 100 * candidates.numel()))
                 chosen = candidates[torch.topk(off, n_sel).indices]
                 selections[f"oracle-select-{pct:g}"] = FixedSelection(chosen)
-        for name, sel in selections.items():
+
+        def recompute_rows(
+            recs: dict[str, MethodRecord],
+            name: str,
+            k0: torch.Tensor,
+            v0: torch.Tensor,
+            sel: Any,
+            bytes_ratio: float = 0.0,
+        ) -> None:
+            """``sel``'s tokens recomputed on the placed ``(k0, v0)``; for a deviation selection, the
+            server's guard on top (``name+guard``). ``bytes_ratio``: what was stored to build k0."""
             t0 = time.perf_counter()
-            out = selective_recompute(adapter, ids, positions, k_blind, v_blind, sel)
+            out = selective_recompute(adapter, ids, positions, k0, v0, sel)
             elapsed = time.perf_counter() - t0
             rec = MethodRecord(
                 recompute=int(out.selected.numel()) / max(1, sum(lengths)),
+                bytes_ratio=bytes_ratio,
                 apply_ms=1e3 * elapsed / len(lengths),
                 residual=out.residual if isinstance(sel, DeviationSelection) else None,
                 oracle=name.startswith("oracle-"),
@@ -351,6 +397,43 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 spent = 0.0 if given_up else rec.recompute
                 guarded = replace(rec, recompute=spent + (later if moved else 0.0), fallback=float(moved))
                 recs[f"{name}+guard"] = judge(tokens, guarded)
+
+        for name, sel in selections.items():
+            recompute_rows(recs, name, k_blind, v_blind, sel)
+
+        # orbit patches: each chunk's Δ under other orders of the set (each prefilled in full, never
+        # the served order), one patch per chunk fitted to all of them; deployable. A single chunk
+        # has no other order: its rows are blind reuse
+        for m in config.ranks if config.orbit_orderings else ():
+            pc = PatchConfig(rank=rank_strategy("fixed", rank=m))
+            parts, nbytes, fit_s, place_s = [], 0, 0.0, 0.0
+            for i, c in enumerate(canon if orbit_kv else ()):
+                t0 = time.perf_counter()
+                fitted = fit_orbit([Delta(o[i].k - c.k, o[i].v - c.v) for o in orbit_kv], pc).patch
+                t1 = time.perf_counter()
+                parts.append(
+                    KV(*apply_and_place(c.k, c.v, fitted, c.placed_positions(starts[i]), adapter.spec))
+                )
+                fit_s, place_s, nbytes = (
+                    fit_s + t1 - t0,
+                    place_s + time.perf_counter() - t1,
+                    nbytes + fitted.nbytes,
+                )
+            k_orb, v_orb = concat_kv(prefix_kv, parts) if parts else (k_blind, v_blind)
+            kv_bytes = sum((c.k.numel() + c.v.numel()) * KV_STORAGE_BYTES for c in canon)
+            name = f"orbit-r{m}"
+            recs[name] = score(
+                k_orb,
+                v_orb,
+                MethodRecord(
+                    bytes_ratio=nbytes / kv_bytes,
+                    fit_ms=1e3 * fit_s / len(canon),
+                    apply_ms=1e3 * place_s / len(canon),
+                ),
+            )
+            for sel_name, sel in selections.items():
+                if isinstance(sel, DeviationSelection):
+                    recompute_rows(recs, f"{name}+{sel_name}", k_orb, v_orb, sel, nbytes / kv_bytes)
         methods[mode] = recs
     return ItemResult(
         ref_text,

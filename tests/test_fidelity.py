@@ -14,7 +14,16 @@ from agent.byte_tokenizer import ByteTokenizer
 from bench.answers import Codec, exact_match, token_f1
 from bench.fidelity import main
 from bench.fidelity_data import QAItem, in_split, load_items
-from bench.fidelity_item import FidelityConfig, build_prompt, evaluate_item, reference_pass, run_tail
+from bench.fidelity_item import (
+    FidelityConfig,
+    build_prompt,
+    evaluate_item,
+    orbit_deltas,
+    other_orderings,
+    reference_pass,
+    run_tail,
+)
+from bench.methods import full_prefill
 
 ITEM = QAItem(
     "x",
@@ -106,6 +115,57 @@ def test_guarded_repair_rows(llama: ModelAdapter) -> None:
         FidelityConfig(guard_margin=-1.0)
 
 
+def test_other_orderings_never_the_served_one() -> None:
+    three = other_orderings(3, 4)
+    assert len(three) == 4 == len(set(three))
+    assert (0, 1, 2) not in three
+    assert all(sorted(o) == [0, 1, 2] for o in three)
+    assert three == other_orderings(3, 4)  # the same for every item of a size
+    assert other_orderings(2, 4) == [(1, 0)]  # all there is
+    assert other_orderings(1, 4) == []
+    assert other_orderings(3, 0) == []
+
+
+def test_orbit_deltas_are_each_chunks_kv_by_its_served_index(llama: ModelAdapter) -> None:
+    item = QAItem("d", ("alpha beta", "gamma delta epsilon", "zeta"), ITEM.question, ITEM.answers)
+    prompt = build_prompt(Codec(None), item, FidelityConfig(max_chunk_tokens=40))
+    lengths = [int(c.numel()) for c in prompt.chunks]
+    assert len(set(lengths)) == 3
+    orders = [(2, 0, 1), (1, 2, 0)]
+    kv = orbit_deltas(llama, prompt, orders)
+    for o, order in enumerate(orders):
+        assert [int(c.k.shape[2]) for c in kv[o]] == lengths
+        # the chunk an order shows first sees only the prefix
+        first = full_prefill(llama, llama.text(prompt.prefix), [llama.text(prompt.chunks[order[0]])])
+        torch.testing.assert_close(kv[o][order[0]].k, first.conditioned[0].k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv[o][order[0]].v, first.conditioned[0].v, atol=1e-5, rtol=1e-5)
+
+
+def test_orbit_rows(llama: ModelAdapter) -> None:
+    """Orbit patches are deployable rows fitted on other orders of the set, with CacheBlend and the
+    guard on top; where every order's prefill is the served one's (the same chunk three times) a
+    full-rank orbit patch is exact, and a single chunk, with no other order, is blind reuse."""
+    base = {"budgets": (), "epic": (), "cacheblend": (15.0,), "max_chunk_tokens": 20, "max_new_tokens": 3}
+    result = evaluate_item(llama, Codec(None), ITEM, FidelityConfig(**base, ranks=(4,), orbit_orderings=2))
+    for recs in result.methods.values():
+        for name in ("orbit-r4", "orbit-r4+cacheblend-15", "orbit-r4+cacheblend-15+guard"):
+            assert not recs[name].oracle
+            assert recs[name].bytes_ratio > 0.0
+        assert recs["orbit-r4"].kl != recs["blind"].kl
+        assert recs["orbit-r4+cacheblend-15"].recompute == recs["cacheblend-15"].recompute
+    same = QAItem("s", (ITEM.chunks[1],) * 3, ITEM.question, ITEM.answers)
+    config = FidelityConfig(**base, ranks=(1000,), orbit_orderings=3, canonical=("after-prefix",))
+    recs = evaluate_item(llama, Codec(None), same, config).methods["after-prefix"]
+    assert max(recs["blind"].kl) > 1e-6
+    assert max(recs["orbit-r1000"].kl) < 1e-5
+    alone = QAItem("a", ITEM.chunks[:1], ITEM.question, ITEM.answers)
+    recs = evaluate_item(llama, Codec(None), alone, config).methods["after-prefix"]
+    assert recs["orbit-r1000"].kl == recs["blind"].kl
+    assert recs["orbit-r1000"].bytes_ratio == 0.0
+    with pytest.raises(ValueError, match="orbit_orderings"):
+        FidelityConfig(orbit_orderings=-1)
+
+
 def test_answer_scores() -> None:
     assert exact_match("The North Sea.", ["north sea"]) == 1.0
     assert token_f1("the north", ["North Sea"]) == pytest.approx(2 * 0.5 / 1.5)
@@ -181,6 +241,8 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
         "2",
         "--oracle-select",
         "20",
+        "--orbit",
+        "2",
         "--json",
         str(out),
         "--plots",
@@ -211,7 +273,9 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     assert "oracle-select-20" in report["methods"]
     oracles = {n for n in report["methods"] if n.startswith(("patch-", "oracle-"))}
     assert set(report["oracle"]) == oracles
-    assert {"prefix", "blind", "cacheblend-15", "epic-16"} <= set(report["deployable"])
+    assert {"prefix", "blind", "cacheblend-15", "epic-16", "orbit-r2", "orbit-r4+cacheblend-15"} <= set(
+        report["deployable"]
+    )
     assert set(report["deployable"]) | set(report["oracle"]) == set(report["methods"])
     assert all(m["oracle"] == (n in report["oracle"]) for n, m in report["methods"].items())
     assert (plots / "fidelity_pareto.png").is_file()
