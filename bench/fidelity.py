@@ -80,6 +80,10 @@ def default_data() -> str | None:
     return str(root / "multihop_qa") if root is not None else None
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -223,6 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     canonical = report["canonical"]
     for mode in config.canonical:
         print_table(console, mode, canonical[mode]["methods"], len(results))
+    for name, m in canonical[config.canonical[0]]["methods"].items():
+        if m.get("spearman_sqrt_residual") is not None:
+            console.print(
+                f"{name}: logit gap error against sqrt(residual): rank correlation "
+                f"{m['spearman_sqrt_residual']:.2f}, spread {_fmt(m['spread_sqrt_residual'])}; "
+                f"against the repair's shift: {m['spearman_repair_shift']:.2f}, "
+                f"spread {_fmt(m['spread_repair_shift'])}"
+            )
     console.print(
         f"reference: EM {report['reference']['em']}, F1 {report['reference']['f1']}; "
         f"{report['chunks_per_item']:.1f} chunks of {report['chunk_tokens_mean']:.0f} tokens on average; "

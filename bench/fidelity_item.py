@@ -20,6 +20,7 @@ from agent.engine.prompt_cache import PromptCacheConfig
 from agent.modes import guard_margin
 from agent.recompute import DeviationSelection, FixedSelection, selective_recompute
 from bench.answers import Codec, exact_match, token_f1
+from bench.consistency import gap_error
 from bench.fidelity_data import QAItem
 from bench.methods import (
     KV_STORAGE_BYTES,
@@ -132,6 +133,11 @@ class MethodRecord:
     oracle: bool = False  # built from the served context's own full prefill (bench/methods.py)
     fallback: float = 0.0  # 1 when a guarded answer moved to exact KV (its cost is in recompute)
     residual: float | None = None  # CacheBlend: the deviation its selection left (agent/recompute.py)
+    # CacheBlend: the largest |gap error| over the answer's steps (repaired against the reference:
+    # what the guard's margin must cover) and the largest logit change the recompute made over the
+    # tail (repaired against blind: known to a server before it decodes), see predictor_fields
+    gap_error: float | None = None
+    repair_shift: float | None = None
 
 
 class ItemResult(NamedTuple):
@@ -373,6 +379,13 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 oracle=name.startswith("oracle-"),
             )
             recs[name] = score(out.k, out.v, rec)
+            if isinstance(sel, DeviationSelection):
+                q = int(prompt.tail.numel())
+                before, _ = run_tail(adapter, k0, v0, prompt, ref_answer, 0)
+                after, _ = run_tail(adapter, out.k, out.v, prompt, ref_answer, 0)
+                steps = zip(ref_logits[q - 1 :], after[q - 1 :], strict=True)
+                rec.gap_error = max(abs(gap_error(r, c)) for r, c in steps)
+                rec.repair_shift = float((after[:q] - before[:q]).abs().amax())
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
                 # kamera serve's repair method, its code on this placement: the recompute, the guard (its
                 # margin scaled with the deviation left); a fallback costs the exact prefill of

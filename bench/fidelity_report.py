@@ -8,6 +8,7 @@ Not here: running items (``fidelity_item.py``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from agent.tables import print_table as draw
-from bench.fidelity_item import FidelityConfig, ItemResult
+from bench.fidelity_item import FidelityConfig, ItemResult, MethodRecord
 from bench.methods import split_oracles
 
 
@@ -59,9 +60,53 @@ def aggregate(results: Sequence[ItemResult], mode: str) -> dict[str, dict[str, A
             "oracle": recs[0].oracle,
             # per item, in order: what the guard's settings are chosen from (on the dev half)
             "per_item": [
-                {"agree": rec.agree, "residual": rec.residual, "fallback": rec.fallback} for rec in recs
+                {
+                    "agree": rec.agree,
+                    "residual": rec.residual,
+                    "fallback": rec.fallback,
+                    "gap_error": rec.gap_error,
+                    "repair_shift": rec.repair_shift,
+                }
+                for rec in recs
             ],
+            **predictor_fields(recs),
         }
+    return out
+
+
+def _ranks(xs: Sequence[float]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.float64).argsort().argsort().double()
+
+
+def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    if len(xs) < 3:
+        return None
+    a, b = _ranks(xs), _ranks(ys)
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def predictor_fields(recs: Sequence[MethodRecord]) -> dict[str, Any]:
+    """How well what a server can measure before decoding predicts the logit error the guard must
+    cover (``gap_error``), for a repaired row's items: the layer-1 residual in the form the guard
+    uses (``sqrt(residual)``) and ``repair_shift`` (how far the recompute moved the tail's logits).
+    ``spearman_*``: rank correlation with the error; ``spread_*``: the largest error per unit of
+    the predictor over the smallest (items with an error above 1e-3); a guard margin
+    ``c * predictor`` that covers the worst item is that many times wider than the best needs."""
+    rows = [r for r in recs if r.gap_error is not None and r.residual is not None and r.repair_shift]
+    if not rows:
+        return {}
+    err = [r.gap_error for r in rows]
+    pred = {
+        "sqrt_residual": [math.sqrt(r.residual) for r in rows],
+        "repair_shift": [r.repair_shift for r in rows],
+    }
+    out: dict[str, Any] = {}
+    for name, p in pred.items():
+        ratios = [e / x for e, x in zip(err, p, strict=True) if e > 1e-3 and x > 0]
+        out[f"spearman_{name}"] = _spearman(p, err)
+        out[f"spread_{name}"] = max(ratios) / min(ratios) if ratios else None
+        out[f"scale_{name}"] = max(ratios) if ratios else None
     return out
 
 

@@ -16,6 +16,7 @@ from bench.fidelity import main
 from bench.fidelity_data import QAItem, in_split, load_items
 from bench.fidelity_item import (
     FidelityConfig,
+    MethodRecord,
     build_prompt,
     evaluate_item,
     orbit_deltas,
@@ -23,6 +24,7 @@ from bench.fidelity_item import (
     reference_pass,
     run_tail,
 )
+from bench.fidelity_report import predictor_fields
 from bench.methods import full_prefill
 
 ITEM = QAItem(
@@ -164,6 +166,26 @@ def test_orbit_rows(llama: ModelAdapter) -> None:
     assert recs["orbit-r1000"].bytes_ratio == 0.0
     with pytest.raises(ValueError, match="orbit_orderings"):
         FidelityConfig(orbit_orderings=-1)
+
+
+def test_logit_error_and_its_predictors(llama: ModelAdapter) -> None:
+    """A repaired row records the gap error the guard must cover and what a server could predict it
+    from; recomputing every token leaves no error, and the spread of a predictor that is exactly
+    proportional to the error is 1."""
+    base = {"ranks": (), "budgets": (), "epic": (), "max_chunk_tokens": 20, "max_new_tokens": 3}
+    config = FidelityConfig(**base, cacheblend=(10.0, 100.0), canonical=("after-prefix",))
+    recs = evaluate_item(llama, Codec(None), ITEM, config).methods["after-prefix"]
+    part, every = recs["cacheblend-10"], recs["cacheblend-100"]
+    assert part.gap_error is not None
+    assert part.repair_shift is not None
+    assert part.repair_shift > 0.0
+    assert every.gap_error < 1e-4
+    assert recs["blind"].gap_error is None
+    rows = [MethodRecord(gap_error=0.1 * i, repair_shift=0.05 * i, residual=1e-6 * i**3) for i in range(1, 6)]
+    fields = predictor_fields(rows)
+    assert fields["spread_repair_shift"] == pytest.approx(1.0)
+    assert fields["spearman_repair_shift"] == pytest.approx(1.0)
+    assert fields["spread_sqrt_residual"] > 1.5  # error ~ i, sqrt(residual) ~ i**1.5
 
 
 def test_answer_scores() -> None:
