@@ -234,6 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{m['spearman_sqrt_residual']:.2f}, spread {_fmt(m['spread_sqrt_residual'])}; "
                 f"against the repair's shift: {m['spearman_repair_shift']:.2f}, "
                 f"spread {_fmt(m['spread_repair_shift'])}"
+                + (
+                    f"; against sqrt(probe deviation): {m['spearman_sqrt_probe']:.2f}, "
+                    f"spread {_fmt(m['spread_sqrt_probe'])}"
+                    if m.get("spearman_sqrt_probe") is not None
+                    else ""
+                )
             )
     console.print(
         f"reference: EM {report['reference']['em']}, F1 {report['reference']['f1']}; "

@@ -138,6 +138,10 @@ class MethodRecord:
     # tail (repaired against blind: known to a server before it decodes), see predictor_fields
     gap_error: float | None = None
     repair_shift: float | None = None
+    # CacheBlend: every PROBE_EVERY-th token it left, recomputed on the repaired context through
+    # every layer: their KV's relative deviation over all layers (a signal past layer 1; costs
+    # that share of tokens more)
+    probe_deviation: float | None = None
 
 
 class ItemResult(NamedTuple):
@@ -275,6 +279,25 @@ def orbit_deltas(
     return out
 
 
+PROBE_EVERY = 8
+
+
+def probe_deviation(
+    adapter: ModelAdapter, ids: torch.Tensor, positions: torch.Tensor, out: Any, candidates: torch.Tensor
+) -> float:
+    """Every :data:`PROBE_EVERY`-th candidate token the recompute ``out`` left, recomputed on its
+    repaired KV through every layer: ``||KV_fresh - KV_kept||² / ||KV_kept||²`` over those tokens,
+    keys and values, all layers."""
+    left = candidates[~torch.isin(candidates, out.selected)][::PROBE_EVERY]
+    if left.numel() == 0:
+        return 0.0
+    fresh = selective_recompute(adapter, ids, positions, out.k, out.v, FixedSelection(left))
+    num = (fresh.k[:, :, left] - out.k[:, :, left]).double().square().sum()
+    num += (fresh.v[:, :, left] - out.v[:, :, left]).double().square().sum()
+    den = out.k[:, :, left].double().square().sum() + out.v[:, :, left].double().square().sum()
+    return float(num / den.clamp_min(1e-30))
+
+
 def reference_pass(adapter: ModelAdapter, prompt: Prompt) -> FullPrefill:
     """The full prefill: the pinned prefix, then each chunk in order on the same cache."""
     return full_prefill(adapter, adapter.text(prompt.prefix), [adapter.text(c) for c in prompt.chunks])
@@ -386,6 +409,7 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
                 steps = zip(ref_logits[q - 1 :], after[q - 1 :], strict=True)
                 rec.gap_error = max(abs(gap_error(r, c)) for r, c in steps)
                 rec.repair_shift = float((after[:q] - before[:q]).abs().amax())
+                rec.probe_deviation = probe_deviation(adapter, ids, positions, out, candidates)
             if isinstance(sel, DeviationSelection) and config.guard_margin > 0:
                 # kamera serve's repair method, its code on this placement: the recompute, the guard (its
                 # margin scaled with the deviation left); a fallback costs the exact prefill of

@@ -66,6 +66,7 @@ def aggregate(results: Sequence[ItemResult], mode: str) -> dict[str, dict[str, A
                     "fallback": rec.fallback,
                     "gap_error": rec.gap_error,
                     "repair_shift": rec.repair_shift,
+                    "probe_deviation": rec.probe_deviation,
                 }
                 for rec in recs
             ],
@@ -89,7 +90,8 @@ def _spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 def predictor_fields(recs: Sequence[MethodRecord]) -> dict[str, Any]:
     """How well what a server can measure before decoding predicts the logit error the guard must
     cover (``gap_error``), for a repaired row's items: the layer-1 residual in the form the guard
-    uses (``sqrt(residual)``) and ``repair_shift`` (how far the recompute moved the tail's logits).
+    uses (``sqrt(residual)``), ``repair_shift`` (how far the recompute moved the tail's logits) and
+    ``sqrt_probe`` (the deviation of a sample of the tokens repair left, at every layer).
     ``spearman_*``: rank correlation with the error; ``spread_*``: the largest error per unit of
     the predictor over the smallest (items with an error above 1e-3); a guard margin
     ``c * predictor`` that covers the worst item is that many times wider than the best needs."""
@@ -101,6 +103,8 @@ def predictor_fields(recs: Sequence[MethodRecord]) -> dict[str, Any]:
         "sqrt_residual": [math.sqrt(r.residual) for r in rows],
         "repair_shift": [r.repair_shift for r in rows],
     }
+    if all(r.probe_deviation is not None for r in rows):
+        pred["sqrt_probe"] = [math.sqrt(r.probe_deviation or 0.0) for r in rows]
     out: dict[str, Any] = {}
     for name, p in pred.items():
         ratios = [e / x for e, x in zip(err, p, strict=True) if e > 1e-3 and x > 0]

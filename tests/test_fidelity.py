@@ -180,6 +180,9 @@ def test_logit_error_and_its_predictors(llama: ModelAdapter) -> None:
     assert part.repair_shift is not None
     assert part.repair_shift > 0.0
     assert every.gap_error < 1e-4
+    assert part.probe_deviation is not None
+    assert part.probe_deviation > 0.0
+    assert every.probe_deviation == 0.0  # nothing left to probe
     assert recs["blind"].gap_error is None
     rows = [MethodRecord(gap_error=0.1 * i, repair_shift=0.05 * i, residual=1e-6 * i**3) for i in range(1, 6)]
     fields = predictor_fields(rows)
