@@ -45,7 +45,11 @@ answer (the reference's greedy answer), pooled over items (median, mean); top-1 
 there; greedy answers equal to the reference's; exact match and token F1 against gold answers
 (SQuAD normalisation); per-layer relative error of the chunks' K and V; patch bytes over the
 chunk's KV bytes (both counted at the patch storage dtype, float16); time to fit and apply a
-chunk's patch against the chunk's in-context prefill.
+chunk's patch against the chunk's in-context prefill. For each ``cacheblend-*`` row, what the
+guard's margin must cover and what might predict it: the largest |gap error| over the answer's
+steps, the layer-1 residual, the logit shift the recompute made over the tail, and a deep probe
+(every eighth token left, recomputed through every layer), per item and as rank correlations and
+spreads (``bench/fidelity_report.py``, ``predictor_fields``).
 
 The report keeps the deployable methods (``prefix``, ``blind``, ``cacheblend-*``, ``epic-*``)
 apart from the oracles: each method's JSON has ``"oracle": true|false``, the report lists both
