@@ -30,13 +30,14 @@ from bench.methods import (
     delta,
     full_prefill,
     kl_rows,
+    orbit_patch_and_place,
     patch_and_place,
     place,
     recompute_selections,
 )
 from cache.layout import ChunkKV
-from cache.orbit import Delta, fit_orbit, sample_orderings
-from cache.patch import KV, PatchConfig, apply_and_place
+from cache.orbit import Delta, sample_orderings
+from cache.patch import PatchConfig
 from cache.rank import rank_strategy
 
 SYSTEM = "Answer the question from the passages. Reply with the answer only, in a few words."
@@ -261,9 +262,9 @@ def other_orderings(n: int, count: int) -> list[tuple[int, ...]]:
     return drawn[:count]
 
 
-def orbit_deltas(
+def kv_in_other_orders(
     adapter: ModelAdapter, prompt: Prompt, orders: Sequence[tuple[int, ...]]
-) -> list[list[list[ChunkKV]]]:
+) -> list[list[ChunkKV]]:
     """Each chunk's KV (pre-RoPE) in the full prefill of each of ``orders``: ``[order][chunk]``,
     chunks by their index in the served prompt. One full prefill per order: what the server
     would have computed when the set was shown in those orders."""
@@ -272,10 +273,7 @@ def orbit_deltas(
         fp = full_prefill(
             adapter, adapter.text(prompt.prefix), [adapter.text(prompt.chunks[i]) for i in order]
         )
-        by_chunk: list[ChunkKV] = [fp.conditioned[0]] * len(order)
-        for slot, i in enumerate(order):
-            by_chunk[i] = fp.conditioned[slot]
-        out.append(by_chunk)
+        out.append([fp.conditioned[order.index(i)] for i in range(len(order))])
     return out
 
 
@@ -338,7 +336,7 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
     candidates = torch.arange(p, p + sum(lengths))
     # the orders an orbit patch is fitted on, prefilled once for every canonical mode
     orders = other_orderings(len(prompt.chunks), config.orbit_orderings)
-    orbit_kv = orbit_deltas(adapter, prompt, orders) if orders else []
+    orbit_kv = kv_in_other_orders(adapter, prompt, orders) if orders else []
     for mode in config.canonical:
         canon = _canonicals(adapter, prompt, prefix_kv, mode)
         recs: dict[str, MethodRecord] = {}
@@ -443,34 +441,27 @@ def evaluate_item(adapter: ModelAdapter, codec: Codec, item: QAItem, config: Fid
         # has no other order: its rows are blind reuse
         for m in config.ranks if config.orbit_orderings else ():
             pc = PatchConfig(rank=rank_strategy("fixed", rank=m))
-            parts, nbytes, fit_s, place_s = [], 0, 0.0, 0.0
-            for i, c in enumerate(canon if orbit_kv else ()):
-                t0 = time.perf_counter()
-                fitted = fit_orbit([Delta(o[i].k - c.k, o[i].v - c.v) for o in orbit_kv], pc).patch
-                t1 = time.perf_counter()
-                parts.append(
-                    KV(*apply_and_place(c.k, c.v, fitted, c.placed_positions(starts[i]), adapter.spec))
+            rows = [
+                orbit_patch_and_place(
+                    c, [Delta(*delta(o[i], c)) for o in orbit_kv], starts[i], adapter.spec, pc
                 )
-                fit_s, place_s, nbytes = (
-                    fit_s + t1 - t0,
-                    place_s + time.perf_counter() - t1,
-                    nbytes + fitted.nbytes,
-                )
-            k_orb, v_orb = concat_kv(prefix_kv, parts) if parts else (k_blind, v_blind)
-            kv_bytes = sum((c.k.numel() + c.v.numel()) * KV_STORAGE_BYTES for c in canon)
+                for i, c in enumerate(canon if orbit_kv else ())
+            ]
+            k_orb, v_orb = concat_kv(prefix_kv, [r.kv for r in rows]) if rows else (k_blind, v_blind)
+            bytes_ratio = sum(r.patch_bytes for r in rows) / kv_bytes
             name = f"orbit-r{m}"
             recs[name] = score(
                 k_orb,
                 v_orb,
                 MethodRecord(
-                    bytes_ratio=nbytes / kv_bytes,
-                    fit_ms=1e3 * fit_s / len(canon),
-                    apply_ms=1e3 * place_s / len(canon),
+                    bytes_ratio=bytes_ratio,
+                    fit_ms=1e3 * sum(r.fit_s for r in rows) / len(canon),
+                    apply_ms=1e3 * sum(r.place_s for r in rows) / len(canon),
                 ),
             )
             for sel_name, sel in selections.items():
                 if isinstance(sel, DeviationSelection):
-                    recompute_rows(recs, f"{name}+{sel_name}", k_orb, v_orb, sel, nbytes / kv_bytes)
+                    recompute_rows(recs, f"{name}+{sel_name}", k_orb, v_orb, sel, bytes_ratio)
         methods[mode] = recs
     return ItemResult(
         ref_text,

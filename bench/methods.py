@@ -7,7 +7,9 @@ the prompt it serves:
 - exact: ``prefix``, the longest unchanged leading run reused (:class:`PrefixCache`);
 - deployable: ``blind``, each chunk's canonical KV rotated to its start (:func:`place`);
   ``stored-r<m>``, canonical + the patch fitted where the chunk was first seen
-  (:func:`patch_and_place`); ``cacheblend-<pct>``, ``epic-<k>``, ``first-k``: blind, then the
+  (:func:`patch_and_place`); ``orbit-r<m>``, canonical + one patch fitted to the chunk's KV
+  under other orders of its set, never the served one (:func:`orbit_patch_and_place`);
+  ``cacheblend-<pct>``, ``epic-<k>``, ``first-k``: blind, then the
   tokens that deviate most at layer 1, or the first k of each chunk, recomputed
   (:func:`recompute_selections`);
 - oracle: ``patch-r<m>``, ``patch-budget-*``, ``patched``: canonical + a patch fitted to the
@@ -40,7 +42,8 @@ from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter
 from agent.recompute import DeviationSelection, FixedSelection, Selection, first_tokens
 from cache.layout import ChunkKV
-from cache.patch import KV, PatchConfig, apply_and_place, fit_delta
+from cache.orbit import Delta, fit_orbit
+from cache.patch import KV, Patch, PatchConfig, apply_and_place, fit_delta
 from cache.rope import RopeSpec
 
 KV_STORAGE_BYTES = 2  # chunk KV and patches are both counted at float16
@@ -141,9 +144,24 @@ def patch_and_place(
     """
     t0 = time.perf_counter()
     patch = fit_delta(deltas[0], deltas[1], config).patch
-    t1 = time.perf_counter()
+    return _place_patched(chunk, patch, start, spec, time.perf_counter() - t0)
+
+
+def orbit_patch_and_place(
+    chunk: ChunkKV, deltas: Sequence[Delta], start: int, spec: RopeSpec, config: PatchConfig
+) -> Placed:
+    """Canonical + one orbit patch fitted to the chunk's ``deltas`` under other orders of its set
+    (``cache/orbit.py``, the mean method), placed at ``start``. Deployable when none of ``deltas``
+    comes from the served order."""
+    t0 = time.perf_counter()
+    patch = fit_orbit(deltas, config).patch
+    return _place_patched(chunk, patch, start, spec, time.perf_counter() - t0)
+
+
+def _place_patched(chunk: ChunkKV, patch: Patch, start: int, spec: RopeSpec, fit_s: float) -> Placed:
+    t0 = time.perf_counter()
     kv = apply_and_place(chunk.k, chunk.v, patch, chunk.placed_positions(start), spec)
-    return Placed(kv, t1 - t0, time.perf_counter() - t1, patch.nbytes)
+    return Placed(kv, fit_s, time.perf_counter() - t0, patch.nbytes)
 
 
 def concat_kv(

@@ -19,7 +19,7 @@ from bench.fidelity_item import (
     MethodRecord,
     build_prompt,
     evaluate_item,
-    orbit_deltas,
+    kv_in_other_orders,
     other_orderings,
     reference_pass,
     run_tail,
@@ -134,7 +134,7 @@ def test_orbit_deltas_are_each_chunks_kv_by_its_served_index(llama: ModelAdapter
     lengths = [int(c.numel()) for c in prompt.chunks]
     assert len(set(lengths)) == 3
     orders = [(2, 0, 1), (1, 2, 0)]
-    kv = orbit_deltas(llama, prompt, orders)
+    kv = kv_in_other_orders(llama, prompt, orders)
     for o, order in enumerate(orders):
         assert [int(c.k.shape[2]) for c in kv[o]] == lengths
         # the chunk an order shows first sees only the prefix
