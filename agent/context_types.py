@@ -72,7 +72,8 @@ class WindowConfig:
     repair_residual_unit; :meth:`ContextManager.repair`); the guard's margin is repair_margin at a
     residual of repair_residual_unit, scaled by the square root of the residual left; a window
     whose residual calls for more than repair_margin_cap is answered on a fresh prefill from the
-    start."""
+    start, and so is one whose chance of a close call at its margin makes going on cost more than
+    that prefill (repair_must_pay, ``agent/engine/close_calls.py``)."""
 
     budget_tokens: int = 4096
     patch: PatchConfig = field(default_factory=lambda: PatchConfig(rank=rank_strategy("fixed", rank=16)))
@@ -88,6 +89,7 @@ class WindowConfig:
     repair_margin: float = REPAIR_MARGIN
     repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
     repair_margin_cap: float = REPAIR_MARGIN_CAP
+    repair_must_pay: bool = True
 
     def __post_init__(self) -> None:
         if self.keep not in ("canonical+patch", "conditioned"):

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.engine.chat import ChatML, TemplateError, chat_format
+from agent.engine.close_calls import CloseCalls, repair_pays
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import Served
 from agent.grammar import Constraint, GrammarEngine
@@ -170,10 +171,13 @@ class Agent:
         finalize: bool = True,
         constrain: bool = True,
         grammar: GrammarEngine | None = None,
+        close_calls: CloseCalls | None = None,
     ) -> None:
         """``constrain``: decode under the policy's grammar (if it has one); False lets the model
         write freely (its replies may then not parse). ``grammar``: an engine over the model's
-        tokenizer to share (built on the first constrained step otherwise)."""
+        tokenizer to share (built on the first constrained step otherwise). ``close_calls``: the
+        close calls of recent answers that a repair's risk is read from, shared with whatever else
+        answers on this model (``agent/engine/close_calls.py``; default: this agent's own)."""
         self.adapter = adapter
         self.chat = chat or _chat_format(adapter)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -182,6 +186,7 @@ class Agent:
         self.auto_finalize = finalize
         self.constrain = constrain
         self._grammar = grammar
+        self.close_calls = close_calls if close_calls is not None else CloseCalls()
         self.context = ContextManager(
             adapter, self.store, window or WindowConfig(), self._text(self.chat.system(system_prompt))
         )
@@ -248,15 +253,28 @@ class Agent:
         repaired = 0
         served: Served = "prefix"
         give_up = attempted = False
+        budget = max_new_tokens or self.max_new_tokens
         if reuse == "repair" and cfg.repair_margin > 0 and not cm.exact:
             attempted = True
             # chat completions' repair on the window's inexact chunks, before the step's new
-            # tokens attend to them; too far from this context even so, and the step is answered
-            # on a fresh prefill before anything else is spent on the window's KV
-            done = cm.repair(self._selection)
-            residual = None if done is None else done.residual
-            repaired = 0 if done is None else done.tokens
-            give_up = (cfg.repair_residual_unit if residual is None else residual) > cfg.give_up_residual
+            # tokens attend to them; too far from this context even so, or not worth its risk,
+            # and the step is answered on a fresh prefill before anything else is spent on the
+            # window's KV
+            remaining = incoming + prompt.n_tokens
+            pays = self._pays(remaining, reused + remaining, budget)
+            low = self.close_calls.low_residual()  # the best recent repairs did: not worth trying?
+            if pays is not None and low is not None and not pays(low, 0):
+                give_up = True
+            else:
+                done = cm.repair(lambda rows: self._selection(rows, pays))
+                residual = None if done is None else done.residual
+                repaired = 0 if done is None else done.tokens
+                if residual is not None:
+                    self.close_calls.add_residual(residual)
+                measured = cfg.repair_residual_unit if residual is None else residual
+                give_up = measured > cfg.give_up_residual or (
+                    done.given_up if done is not None else pays is not None and not pays(measured, 0)
+                )
         # every new chunk of the step in as few forward passes as the budget allows, the
         # instruction in the last of them; except in exact mode, where a window that is not what a
         # fresh prefill computes is prefilled afresh (and one that is needs no guard)
@@ -281,7 +299,6 @@ class Agent:
             guard = _FreshWindow(cm, prompt, margin)
         # the answer rests on the window's KV (else on a fresh prefill of the window)
         on_window = served == "moved" or exact
-        budget = max_new_tokens or self.max_new_tokens
         _, extent = self.adapter.chunk_positions(prompt)
         decoded = decode(
             self.adapter,
@@ -294,6 +311,13 @@ class Agent:
             guard=guard,
         )
         ttft_ms = 1000 * (decoded.first_token_at - t0)
+        self._observe(
+            decoded,
+            time.perf_counter(),
+            t0,
+            incoming + prompt.n_tokens if on_window else cm.tokens + prompt.n_tokens,
+            before[3],
+        )
         if guard is not None and guard.cache is not None:  # a close call: answered on a fresh prefill
             cache, start = guard.cache, guard.start
             served, on_window = "fallback", False
@@ -329,7 +353,9 @@ class Agent:
         )
         return StepResult(output, self.policy.parse(output), report, tuple(ids))
 
-    def _selection(self, candidates: torch.Tensor) -> DeviationSelection:
+    def _selection(
+        self, candidates: torch.Tensor, pays: Callable[[float, int], bool] | None = None
+    ) -> DeviationSelection:
         """Chat completions' choice of the tokens to recompute, over the window's ``candidates``."""
         cfg = self.context.config
         return DeviationSelection(
@@ -338,7 +364,37 @@ class Agent:
             max_residual=cfg.give_up_residual,
             max_ratio=cfg.repair_max_ratio,
             target_residual=cfg.repair_residual_unit,
+            pays=pays,
         )
+
+    def _observe(
+        self, decoded: Any, decoded_at: float, t0: float, prefilled: int, encoder_before: int
+    ) -> None:
+        """What the next repair's risk is read from: the answer's gaps and, where it stayed on
+        one cache, its decode steps' time; the prefill's time per token where no frame was
+        encoded in the step (the encoder's time is not a prefill's)."""
+        if decoded.finish_reason == "cancelled":
+            return
+        calls = self.close_calls
+        calls.add(decoded.gaps)
+        if decoded.escalated_at is None:
+            calls.observe_decode(len(decoded.gaps) - 1, decoded_at - decoded.first_token_at)
+            if encoder_calls(self.adapter) == encoder_before:
+                calls.observe_prefill(prefilled, decoded.first_token_at - t0)
+
+    def _pays(self, remaining: int, exact: int, steps: int) -> Callable[[float, int], bool] | None:
+        """Chat completions' test of whether a repair is worth going on with
+        (``close_calls.repair_pays``): ``remaining`` tokens to prefill on the window, ``exact``
+        what a fresh prefill of it prefills. None where the check is off or nothing falls back."""
+        cfg, calls = self.context.config, self.close_calls
+        if not cfg.repair_must_pay or cfg.repair_margin <= 0:
+            return None
+
+        def pays(residual: float, recomputed: int) -> bool:
+            margin = guard_margin(cfg.repair_margin, residual, cfg.repair_residual_unit)
+            return repair_pays(calls.risk(margin, steps), calls.step_tokens(), recomputed, remaining, exact)
+
+        return pays
 
     def _constraint(self, max_tokens: int) -> Constraint | None:
         grammar = self.policy.grammar(max_tokens) if self.constrain else None

@@ -29,7 +29,7 @@ Not here: where the reused KV comes from, patches (``cache/patch.py``), metrics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -51,7 +51,9 @@ class DeviationSelection:
     share (default: ``ratio``, no growth): a piece barely touched by its new context pays the
     least, one bound to new neighbours pays more before anything is given up. max_residual: when
     the deviation the choice would leave exceeds it, nothing runs past the selection layer (the
-    repair is given up: what it would leave is too far to use).
+    repair is given up: what it would leave is too far to use). pays: asked, once the choice is
+    made, with the deviation it would leave and the tokens it keeps; False gives the repair up
+    there as well (going on would cost more than it saves).
     """
 
     ratio: float
@@ -61,6 +63,7 @@ class DeviationSelection:
     max_residual: float = float("inf")
     max_ratio: float | None = None
     target_residual: float = 0.0
+    pays: Callable[[float, int], bool] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -133,10 +136,12 @@ class Repaired(NamedTuple):
     """tokens: how many ran through every layer. residual: the deviation a
     :class:`DeviationSelection` measured at its layer and left in the candidates it did not
     recompute, over the energy of their fresh K/V there (squared L2, values or keys and values as
-    it measures): how far from this context the reused KV still is (0 for a fixed selection)."""
+    it measures): how far from this context the reused KV still is (0 for a fixed selection).
+    given_up: nothing ran past the selection layer, the choice refused (``max_residual``, ``pays``)."""
 
     tokens: int
     residual: float
+    given_up: bool = False
 
 
 def first_tokens(starts: Sequence[int], lengths: Sequence[int], k: int) -> torch.Tensor:
@@ -165,8 +170,8 @@ def recompute_into(
     ``ModelAdapter.run_layers``). Raises TypeError for a model whose layers cannot run on rows
     (MLA), ValueError for inputs that disagree with the cache.
     """
-    rows, residual = _recompute(adapter, cache, inputs, positions, selection, order)
-    return Repaired(int(rows.numel()), residual)
+    rows, residual, given_up = _recompute(adapter, cache, inputs, positions, selection, order)
+    return Repaired(int(rows.numel()), residual, given_up)
 
 
 @torch.inference_mode()
@@ -190,7 +195,7 @@ def selective_recompute(
         raise ValueError(f"inputs [{n}], positions {tuple(positions.shape)} and KV {tuple(k.shape)} disagree")
     device = adapter.device
     k, v = k.to(device, copy=True), v.to(device, copy=True)
-    selected, residual = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
+    selected, residual, _ = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
     return Recomputed(k, v, selected, residual)
 
 
@@ -252,9 +257,9 @@ def _recompute(
     positions: torch.Tensor,
     selection: Selection,
     order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float]:
-    """The sorted indices of the tokens recomputed through every layer (on the CPU), and the
-    deviation left in the others (:class:`Repaired`)."""
+) -> tuple[torch.Tensor, float, bool]:
+    """The sorted indices of the tokens recomputed through every layer (on the CPU), the
+    deviation left in the others and whether the choice was refused (:class:`Repaired`)."""
     _check_family(adapter)
     n = adapter.cache_length(cache)
     if inputs.shape[0] != n or positions.shape[-1] != n or positions.dim() > 2:
@@ -267,11 +272,11 @@ def _recompute(
     else:
         rows, check = selection.candidates.to(torch.int64).unique(sorted=True), selection.layer
     if rows.numel() == 0:
-        return rows, 0.0
+        return rows, 0.0, False
     hidden = _embed_rows(adapter, inputs, rows)
     if check >= n_layers or not isinstance(selection, DeviationSelection):
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers), order=order)
-        return rows, 0.0
+        return rows, 0.0, False
     if check > 0:
         hidden = adapter.run_layers(
             hidden, rows, positions[..., rows], cache, range(check), order=order
@@ -291,7 +296,10 @@ def _recompute(
         dev = dev + (fresh.k - saved_k).square().sum(dim=(0, 2))
         energy = energy + fresh.k.square().sum()
     keep, residual = selection.choose(dev, energy)
-    if residual > selection.max_residual:  # given up: every row gets its reused KV back here
+    given_up = residual > selection.max_residual or (
+        selection.pays is not None and not selection.pays(residual, int(keep.sum()))
+    )
+    if given_up:  # every row gets its reused KV back here
         keep[:] = False
     drop = (~keep).to(k_layer.device)
     k_layer.index_copy_(1, device_rows[drop], saved_k[:, drop])
@@ -299,7 +307,7 @@ def _recompute(
     rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
     if rows.numel():
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers), order=order)
-    return rows, residual
+    return rows, residual, given_up
 
 
 def _embed_rows(adapter: ModelAdapter, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -225,12 +225,23 @@ def _request_fields(r: Row) -> dict[str, Any]:
     def ms(x: float) -> float:
         return round(x, 4)
 
+    u = r.cached.usage
     out = {
         "session": r.session,
         "step": r.step,
         "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached.usage.cached_tokens,
         "served": r.cached.usage.served,
+        # how: the exact prefix, content placed (kept or, after a close call, abandoned), the
+        # tokens repair recomputed, prefilled, and prefilled again by an exact pass
+        "prefix_tokens": u.prefix_tokens,
+        "moved_tokens": u.relocated_tokens or u.abandoned_tokens,
+        "repaired_tokens": u.repaired_tokens,
+        "prefilled_tokens": u.prefilled_tokens,
+        "fallback_tokens": u.fallback_tokens,
+        "repair_residual": u.repair_residual,
+        # the smallest gap between the best two logits along the full prefill's answer
+        "reference_min_margin": round(min(r.reference.margins), 4) if r.reference.margins else None,
         "ttft_s": ms(r.cached.ttft_s),
         "total_s": ms(r.cached.total_s),
         "segmented_ttft_s": ms(r.reference.ttft_s),
@@ -464,6 +475,13 @@ def parser() -> argparse.ArgumentParser:
         default=PromptCacheConfig.repair_margin_cap,
         help="a repair calling for a larger margin is given up, the prompt prefilled exact (0: never)",
     )
+    p.add_argument(
+        "--repair-must-pay",
+        action=argparse.BooleanOptionalAction,
+        default=PromptCacheConfig.repair_must_pay,
+        help="a repair expected to cost more than the exact prefill (its chance of a close call read "
+        "from the mode's earlier answers) is given up (default on)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
         "--concurrency",
@@ -509,6 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repair_margin=args.repair_margin,
         repair_residual_unit=args.repair_residual_unit,
         repair_margin_cap=args.repair_margin_cap,
+        repair_must_pay=args.repair_must_pay,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
     report: dict[str, Any] = {
@@ -529,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repair_margin": config.repair_margin,
             "repair_residual_unit": config.repair_residual_unit,
             "repair_margin_cap": config.repair_margin_cap,
+            "repair_must_pay": config.repair_must_pay,
         },
         "policies": {},
     }

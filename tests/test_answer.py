@@ -11,6 +11,7 @@ import pytest
 
 from agent.engine.answer import answer, guard_margin
 from agent.engine.chat import Message
+from agent.engine.close_calls import CloseCalls
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import PromptCache
 from tests.test_prompt_cache import CONFIG, chat, llama, make_cache, prompt_of  # noqa: F401
@@ -240,3 +241,80 @@ def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> N
     tried = answer(uncapped, moved, "", "repair", PARAMS).usage
     assert tried.served in ("moved", "fallback")
     assert tried.relocated_tokens + tried.abandoned_tokens > 0
+
+
+def test_an_answer_records_how_close_each_of_its_calls_was(llama: Any) -> None:  # noqa: F811
+    """Each chosen token's gap between its best two logits, what the next repair's risk is read
+    from; a greedy gap is the gap of the token's logprobs (a shift of the logits)."""
+    pc, moved = _after_first(llama)
+    params = dataclasses.replace(PARAMS, logprobs=True, top_logprobs=2)
+    out = answer(pc, moved, "", "exact", params)
+    d = out.decoded
+    assert len(pc.close_calls) == 1
+    assert len(d.gaps) >= len(d.tokens) > 0
+    for gap, lp in zip(d.gaps, d.logprobs, strict=False):
+        assert gap == pytest.approx(lp.top[0][1] - lp.top[1][1], abs=1e-4)
+    assert min(d.gaps) >= 0.0
+
+
+def test_a_repair_that_would_not_pay_is_given_up_before_it_decodes(llama: Any) -> None:  # noqa: F811
+    """Where every recent answer met a call closer than the guard's margin, going on would cost the
+    tokens left plus, almost surely, the exact prefill: the repair is given up once measured and
+    the prompt answered exact. With the check off the same request decodes on moved KV and falls
+    back; with recent answers all clear it goes on."""
+    close = [0.0] * 8
+    pc, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    # the prompt's last token is all that is left to prefill on moved KV: going on stops paying
+    # once the chance of a close call passes 1 - 1 / (the exact prefill's tokens)
+    pc.close_calls = CloseCalls(size=4 * moved.n_tokens)
+    for _ in range(4 * moved.n_tokens):
+        pc.close_calls.add(close)
+    out = answer(pc, moved, "", "repair", PARAMS)
+    assert out.usage.served == "given_up"
+    assert out.decoded.escalated_at is None
+    assert out.usage.abandoned_tokens > 0
+    assert out.decoded.tokens == reference
+    off, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0, repair_must_pay=False)
+    for _ in range(50):
+        off.close_calls.add(close)
+    fell = answer(off, moved, "", "repair", PARAMS)
+    assert fell.usage.served == "fallback"
+    assert fell.decoded.tokens == reference
+    clear, moved = _after_first(llama, repair_margin=1e-9, repair_residual_unit=0.0, repair_margin_cap=0.0)
+    for _ in range(50):
+        clear.close_calls.add([5.0] * 8)
+    kept = answer(clear, moved, "", "repair", PARAMS)
+    assert kept.usage.served == "moved"
+    assert kept.usage.relocated_tokens > 0
+
+
+def test_a_repair_that_could_not_pay_even_at_the_best_recent_residual_is_not_tried(
+    llama: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With recent repairs all measured and every recent answer close, even the smallest residual
+    measured lately would not pay: nothing is placed or measured (no selection pass), the prompt
+    is answered exact, its moved tokens reported abandoned and no residual reported."""
+    import agent.engine.prompt_cache as prompt_cache
+
+    pc, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0)
+    reference = _greedy(pc, pc.prepare(moved, "reference")).tokens
+    pc.close_calls = CloseCalls(size=4 * moved.n_tokens)
+    for _ in range(4 * moved.n_tokens):
+        pc.close_calls.add([0.0] * 8)
+    pc.close_calls.add_residual(1e-12)
+    measured: list[Any] = []
+    real = prompt_cache.recompute_into
+    monkeypatch.setattr(prompt_cache, "recompute_into", lambda *a, **k: measured.append(1) or real(*a, **k))
+    out = answer(pc, moved, "", "repair", PARAMS)
+    assert measured == []
+    u = out.usage
+    assert (u.served, u.repair_residual, u.relocated_tokens) == ("given_up", 0.0, 0)
+    assert u.abandoned_tokens > 0
+    assert out.decoded.tokens == reference
+    # with the check off the same request is tried and measured
+    off, moved = _after_first(llama, repair_margin=1e9, repair_margin_cap=0.0, repair_must_pay=False)
+    off.close_calls = pc.close_calls
+    assert answer(off, moved, "", "repair", PARAMS).usage.served == "fallback"
+    assert measured

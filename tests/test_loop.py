@@ -12,6 +12,7 @@ from _util import greedy, max_rel
 from agent.adapters.loading import load_adapter
 from agent.context import WindowConfig
 from agent.engine.chat import ByteTokenizer, ChatML
+from agent.engine.close_calls import CloseCalls
 from agent.loop import Agent, TextObservation
 from agent.modes import REPAIR_MARGIN, REPAIR_RESIDUAL_UNIT, guard_margin
 
@@ -164,9 +165,10 @@ def test_repair_s_guard_margin_follows_the_residual_the_window_left(llama: Any) 
     """Chat completions' repair on a window: a step on an exact window needs none; once a slide
     moved the window, the moved chunks' most deviating tokens are recomputed, and the guard's margin
     is the configured one scaled by the square root of the residual left over the unit (no cap
-    here: nothing is given up). The answers are exact mode's."""
+    here, and no test of what the repair would pay: nothing is given up). The answers are exact
+    mode's."""
     exact = [r.output for r in steps(llama, reuse="exact")]
-    results = steps(llama, reuse="repair", repair_margin_cap=0.0)
+    results = steps(llama, reuse="repair", repair_margin_cap=0.0, repair_must_pay=False)
     assert [r.output for r in results] == exact
     kinds = [r.report.served for r in results]
     assert kinds[0] == "prefix", kinds
@@ -194,8 +196,9 @@ def test_repair_s_guard_margin_follows_the_residual_the_window_left(llama: Any) 
 def test_more_recompute_leaves_less_residual(llama: Any) -> None:
     """The share recomputed grows towards repair_max_ratio while the residual is above the unit:
     a larger share leaves a smaller residual on the same moved windows."""
-    few = steps(llama, reuse="repair", repair_margin_cap=0.0)
-    many = steps(llama, reuse="repair", repair_margin_cap=0.0, repair_max_ratio=0.6)
+    nothing = {"repair_margin_cap": 0.0, "repair_must_pay": False}  # nothing given up
+    few = steps(llama, reuse="repair", **nothing)
+    many = steps(llama, reuse="repair", repair_max_ratio=0.6, **nothing)
     pairs = [(a.report, b.report) for a, b in zip(few, many, strict=True) if a.report.served != "prefix"]
     assert pairs
     for a, b in pairs:
@@ -214,9 +217,41 @@ def test_a_residual_beyond_the_cap_answers_on_a_fresh_prefill_from_the_start(lla
     assert moved
     assert all(rep.served == "given_up" for rep in moved)
     assert all(rep.guard_margin is None and rep.tokens_reused == 0 for rep in moved)
-    close = steps(llama, reuse="repair", repair_margin=1e9, repair_margin_cap=0.0)
+    close = steps(llama, reuse="repair", repair_margin=1e9, repair_margin_cap=0.0, repair_must_pay=False)
     assert [r.output for r in close] == exact
     moved = [r.report for r in close if r.report.served != "prefix"]
     assert moved
     assert all(rep.served == "fallback" and rep.escalated_at == 0 for rep in moved)
     assert all(rep.tokens_reused == 0 for rep in moved)
+
+
+def test_a_window_repair_that_would_not_pay_is_answered_on_a_fresh_prefill(llama: Any) -> None:
+    """Chat completions' test on a session's window: where every recent answer (shared with
+    whatever else answers on the model) met a call closer than the guard's margin, a moved window
+    is given up before its new tokens are prefilled on it; the answers are exact mode's. With the
+    test off the same steps fall back; with recent answers all clear (and a guard that never
+    calls) they stay on the window. Each step adds its answer's gaps to what is shared."""
+    exact = [r.output for r in steps(llama, reuse="exact")]
+
+    def with_history(gap: float, **window: Any) -> list[Any]:
+        calls = CloseCalls()
+        for _ in range(200):
+            calls.add([gap] * MAX_NEW_TOKENS)
+        config = WindowConfig(budget_tokens=BUDGET, reuse="repair", repair_margin_cap=0.0, **window)
+        agent = Agent(
+            llama, SYSTEM, window=config, max_new_tokens=MAX_NEW_TOKENS, finalize=False, close_calls=calls
+        )
+        out = [agent.step([note], f"What is note {i}.3?") for i, note in enumerate(NOTES)]
+        assert len(calls) == min(200 + len(NOTES), 256)
+        return out
+
+    close = {"repair_margin": 1e9}
+    for results, served in (
+        (with_history(0.0, **close), {"given_up"}),
+        (with_history(0.0, repair_must_pay=False, **close), {"fallback"}),
+    ):
+        assert [r.output for r in results] == exact
+        assert {r.report.served for r in results} - {"prefix"} == served
+    # a guard that never calls a step close: the window's repaired KV answers (not exact's words)
+    kept = with_history(1e3, repair_margin=1e-9, repair_residual_unit=0.0)
+    assert {r.report.served for r in kept} - {"prefix"} == {"moved"}

@@ -18,12 +18,16 @@ largest first-token logit-gap error that ``kamera bench consistency --repair-mar
 on the dev half, per unit of residual (``margin_scale``; ``docs/consistency.md``). A repair
 whose residual calls for a margin beyond ``repair_margin_cap`` is not decoded at all: the prompt
 cache gives it up once the selection layer has measured it, before any token runs on through the
-later layers, and prepares the prompt exact (``prompt_cache.py``).
+later layers, and prepares the prompt exact (``prompt_cache.py``). It does the same with a repair
+that would not pay: where the chance of a close call at its margin, read from the cache's recent
+answers, makes going on cost more than the exact prefill (``close_calls.py``). Every answer
+records how close its calls were, for the next.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -70,7 +74,7 @@ def answer(
     bound a nucleus that moves with the logits (``generation.py``)."""
     if params.temperature > 0.0 and params.top_p < 1.0 and (mode or pc.config.mode) == "repair":
         mode = "exact"
-    prepared = pc.prepare(prompt, tenant_salt, mode)
+    prepared = pc.prepare(prompt, tenant_salt, mode, params.max_tokens)
     if on_start is not None:
         on_start()
     usage = prepared.usage
@@ -92,12 +96,17 @@ def answer(
             constraint,
             guard,
         )
+        decoded_at = time.perf_counter()
     finally:
         prepared.cache = None  # the request's own cache is not kept
         if guard is not None and guard.prepared is not None:
             final = guard.prepared
             final.cache = None
         pc.commit(final)
+    if decoded.finish_reason != "cancelled":  # what the next repair risks (``close_calls.py``)
+        pc.close_calls.add(decoded.gaps)
+        if decoded.escalated_at is None:
+            pc.close_calls.observe_decode(len(decoded.gaps) - 1, decoded_at - decoded.first_token_at)
     if final is not prepared:  # the answer rests on the exact pass: its usage, the attempt noted
         usage = own_exact_prefill(final.usage, usage.prefix_tokens)._replace(
             mode=usage.mode,

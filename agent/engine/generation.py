@@ -101,6 +101,9 @@ class Decoded(NamedTuple):
     logprobs: list[TokenLogprob]  # one per token when asked for, else empty
     escalated_at: int | None = None  # the step at which a guard moved decoding to exact KV
     diverged: int = 0  # tokens handed out before that which the exact path would not have chosen
+    # per chosen token: the gap between the best two scores its choice was made from (how close
+    # the call was; what a guard compares with its margin), the end token's included
+    gaps: tuple[float, ...] = ()
 
 
 class Guard(Protocol):
@@ -220,6 +223,7 @@ def decode(
     sample = Sampler(params)
     stream = TextStream(adapter.tokenizer, params.stop)
     logprobs: list[TokenLogprob] = []
+    gaps: list[float] = []
     sent = 0  # logprobs already handed to on_text
     watch = guard is not None
     masks: list[torch.Tensor] = []  # each step's allowed tokens, kept while a guard watches a grammar
@@ -243,6 +247,7 @@ def decode(
         if scores is None:
             scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
         token = int(scores.argmax())
+        gaps.append(_margin(scores, None))
         steps += 1
         if params.logprobs:
             logprobs.append(token_logprob(logits, token, params.top_logprobs))
@@ -283,6 +288,7 @@ def decode(
                     for kept in done[:j]:
                         stream.push(kept)
                     del logprobs[j:]
+                    del gaps[j:]
                     steps = j
                     return choose(logits, None)
                 diverged = len(done) - j
@@ -320,7 +326,9 @@ def decode(
     tail = "" if stream.stopped else stream.flush()
     if on_text is not None and (tail or len(logprobs) > sent):
         on_text(tail, logprobs[sent:])
-    return Decoded(stream.text, stream.tokens, reason, first_at, logprobs, escalated_at, diverged)
+    return Decoded(
+        stream.text, stream.tokens, reason, first_at, logprobs, escalated_at, diverged, tuple(gaps)
+    )
 
 
 def _masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,9 @@ Not here: prompts, segments and keys (``prompt.py``), sampling (``generation.py`
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -67,6 +69,7 @@ import torch
 from agent.adapters import attention, batched
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import VisionAdapter, encoder_calls
+from agent.engine.close_calls import CloseCalls, repair_pays
 from agent.engine.prompt import (
     NoImagesError,
     Prompt,
@@ -89,6 +92,7 @@ from agent.modes import (
     ReuseMode,
     check_mode,
     give_up_residual,
+    guard_margin,
 )
 from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
@@ -130,7 +134,10 @@ class PromptCacheConfig:
     A piece whose repair could not measure (no recompute ran) reports the unit.
     repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
     selection layer has measured it, before any token runs on through the later layers, and the
-    prompt is prepared exact at once (0: never given up)."""
+    prompt is prepared exact at once (0: never given up). repair_must_pay: a repair is also given
+    up there when going on is expected to cost more than the exact prefill: the chance of a close
+    call at its guard's margin, read from the engine's recent answers (``close_calls.py``), times
+    that prefill, plus the tokens still to prefill on moved KV, against that prefill alone."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -145,6 +152,7 @@ class PromptCacheConfig:
     repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
     repair_margin_cap: float = REPAIR_MARGIN_CAP
     repair_max_ratio: float = REPAIR_MAX_RATIO
+    repair_must_pay: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_radix_tokens, self.max_index_entries, self.max_tenants, self.block_tokens) < 1:
@@ -255,6 +263,8 @@ class PromptCache:
         # prefill passes may join segments where that leaves the KV as one pass writes it
         self._join = adapter.cut_invariant and self.config.block_tokens % attention.BLOCK == 0
         self._image_ids: dict[str, int] = {}
+        # the close calls of this cache's recent answers (``answer.py`` adds them): what a repair risks
+        self.close_calls = CloseCalls()
 
     def image_unit(self, content_key: str) -> int:
         """The planning id of an image: one per distinct content key, never reused."""
@@ -289,11 +299,16 @@ class PromptCache:
 
     # --- prepare: plan, fetch, place, prefill the rest segment by segment -----------------
 
-    def prepare(self, prompt: Prompt, tenant_salt: str = "", mode: ReuseMode | None = None) -> Prepared:
-        """The prompt's model cache and first logits, reusing what ``mode`` allows."""
+    def prepare(
+        self, prompt: Prompt, tenant_salt: str = "", mode: ReuseMode | None = None, steps: int | None = None
+    ) -> Prepared:
+        """The prompt's model cache and first logits, reusing what ``mode`` allows. ``steps``: the
+        most tokens the answer may run to (what a repair's chance of a close call is read over;
+        None: as long as recent answers ran)."""
         if len(prompt.units) == 0:
             raise ValueError("empty prompt")
         mode = check_mode(mode or self.config.mode)
+        t0 = time.perf_counter()
         planner = self.planner(tenant_salt)
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
@@ -301,7 +316,7 @@ class PromptCache:
         finder = Finder(self.store, self.config.min_reuse_tokens)
         chunks = finder.chunks(prompt, plan, keys, mode)
         fetched = finder.prefetch(prompt, plan, keys, mode, chunks)
-        steps, lost = finder.steps(prompt, plan, keys, mode, chunks)
+        plan_steps, lost = finder.steps(prompt, plan, keys, mode, chunks)
         counts = dict.fromkeys(("prefix", "relocated", "prefilled", "rotated", "repaired", "shared"), 0)
         window = Window(self.adapter.spec, self.config.rope_kernel, dims=self.adapter.arena_dims)
         placed: list[Placement] = []  # the window, in order: reused parts and prefilled segments
@@ -313,7 +328,17 @@ class PromptCache:
         exact_units = 0
         residual = 0.0
         given_up: float | None = None
-        for step in steps:
+        exact_cost, misses_left = _costs(prompt, plan_steps)
+        if mode == "repair" and not self._worth_trying(plan_steps, misses_left, exact_cost, steps):
+            moved = sum(
+                int(prompt.tok_off[s.end] - prompt.tok_off[s.start])
+                for s in plan_steps
+                if s.parts and not s.exact
+            )
+            return self._exact_instead(
+                prompt, tenant_salt, 0.0, encoder_before, moved, prompt.n_tokens - exact_cost
+            )
+        for i, step in enumerate(plan_steps):
             n_tok = int(prompt.tok_off[step.end] - prompt.tok_off[step.start])
             if step.parts:
                 at = int(prompt.pos_off[step.start])
@@ -335,8 +360,8 @@ class PromptCache:
                 continue
             cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
-                done = self._repair(prompt, cache, repair)
-                if done.residual > self.config.give_up_residual:
+                done = self._repair(prompt, cache, repair, self._pays(misses_left[i], exact_cost, steps))
+                if done.given_up or done.residual > self.config.give_up_residual:
                     given_up = done.residual
                     break
                 counts["repaired"] += done.tokens
@@ -395,7 +420,38 @@ class PromptCache:
             served="moved" if counts["relocated"] else "prefix",
         )
         position = int(prompt.pos_off[-1])
+        self.close_calls.observe_prefill(counts["prefilled"], time.perf_counter() - t0)
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
+
+    def _worth_trying(
+        self, plan_steps: Sequence[Any], misses_left: list[int], exact: int, steps: int | None
+    ) -> bool:
+        """Whether a repair of the prompt's moved steps could pay at all: at the smallest residual
+        recent repairs measured, nothing recomputed (``close_calls.py``). True where there is
+        nothing to repair, no residual was measured yet, or the check is off."""
+        first = next((i for i, s in enumerate(plan_steps) if s.parts and not s.exact), None)
+        low = self.close_calls.low_residual()
+        if first is None or low is None:
+            return True
+        pays = self._pays(misses_left[first], exact, steps)
+        return pays is None or pays(low, 0)
+
+    def _pays(self, remaining: int, exact: int, steps: int | None) -> Callable[[float, int], bool] | None:
+        """Whether a repair that would leave a residual and recompute some tokens, with
+        ``remaining`` tokens still to prefill, is expected to cost less than the ``exact``
+        prefill (``close_calls.repair_pays``; ``steps``: the answer's most steps). None (always)
+        where the guard never falls back or the check is off."""
+        cfg = self.config
+        if not cfg.repair_must_pay or cfg.repair_margin <= 0:
+            return None
+        calls = self.close_calls
+
+        def pays(residual: float, recomputed: int) -> bool:
+            margin = guard_margin(cfg.repair_margin, residual, cfg.repair_residual_unit)
+            risk = calls.risk(margin, steps)
+            return repair_pays(risk, calls.step_tokens(), recomputed, remaining, exact)
+
+        return pays
 
     def _hold(self, rows: list[tuple[TableRow, ChunkKV]]) -> None:
         """Store exactly prefilled segments before the prompt is committed (the commit then finds
@@ -428,16 +484,25 @@ class PromptCache:
         )
         return prepared
 
-    def _repair(self, prompt: Prompt, cache: Any, spans: list[tuple[int, int]]) -> Repaired:
+    def _repair(
+        self,
+        prompt: Prompt,
+        cache: Any,
+        spans: list[tuple[int, int]],
+        pays: Callable[[float, int], bool] | None = None,
+    ) -> Repaired:
         """Recompute, through every layer, the most deviating text tokens of the reused ``spans``
         (CacheBlend's layer-1 signal against this context); the cache's KV is replaced in place.
         An image inside or before the spans keeps its reused KV and is read as the model reads it
         (its vision features at its tokens, its M-RoPE positions), so the text next to it is
         repaired all the same. Returns the tokens recomputed and the deviation left; where
         nothing can be recomputed (no ratio, MLA, no text among the spans) nothing is measured
-        either, and the residual reported is the unit (the guard's margin as set)."""
+        either, and the residual reported is the unit (the guard's margin as set). ``pays``: asked
+        with the residual the choice would leave (the unit, unmeasured) and the tokens it would
+        recompute; False gives the repair up before anything runs past the selection layer."""
         ratio = self.config.repair_ratio
-        unmeasured = Repaired(0, self.config.repair_residual_unit)
+        unit = self.config.repair_residual_unit
+        unmeasured = Repaired(0, unit, pays is not None and not pays(unit, 0))
         adapter = self.adapter
         if ratio <= 0:
             return unmeasured
@@ -469,8 +534,11 @@ class PromptCache:
             max_residual=self.config.give_up_residual,
             max_ratio=max(ratio, self.config.repair_max_ratio),
             target_residual=self.config.repair_residual_unit,
+            pays=pays,
         )
-        return recompute_into(adapter, cache, inputs, positions, selection)
+        done = recompute_into(adapter, cache, inputs, positions, selection)
+        self.close_calls.add_residual(done.residual)
+        return done
 
     # --- commit: store new segments, index the prompt -----------------------------------
 
@@ -543,3 +611,19 @@ class PromptCache:
             }
             written += records.put(self.store, key, Entry({}, meta, tokens=ctx.fingerprint(a, b)))
         return written
+
+
+def _costs(prompt: Prompt, steps: Sequence[Any]) -> tuple[int, list[int]]:
+    """What an exact prefill of the prompt costs (its tokens after the leading exact steps), and,
+    per step, the tokens the steps from there on prefill (their misses)."""
+    sizes = [int(prompt.tok_off[s.end] - prompt.tok_off[s.start]) for s in steps]
+    lead = 0
+    for s, n in zip(steps, sizes, strict=True):
+        if not (s.parts and s.exact):
+            break
+        lead += n
+    left, misses = [0] * (len(steps) + 1), 0
+    for i in range(len(steps) - 1, -1, -1):
+        misses += 0 if steps[i].parts else sizes[i]
+        left[i] = misses
+    return prompt.n_tokens - lead, left

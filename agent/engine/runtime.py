@@ -266,6 +266,7 @@ class Runtime:
             repair_margin=pc.repair_margin,
             repair_residual_unit=pc.repair_residual_unit,
             repair_margin_cap=pc.repair_margin_cap,
+            repair_must_pay=pc.repair_must_pay,
         )
         with torch.inference_mode():
             return Agent(
@@ -276,6 +277,7 @@ class Runtime:
                 policy=policy,
                 max_new_tokens=max_tokens,
                 grammar=self.grammar if policy == "action" else None,
+                close_calls=self.prompt_cache.close_calls,
             )
 
     def step(

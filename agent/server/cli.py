@@ -103,6 +103,14 @@ def parser() -> argparse.ArgumentParser:
         help="repair's guard: a repair whose residual calls for a larger margin is given up and the "
         "prompt prefilled exact at once (0: never)",
     )
+    store.add_argument(
+        "--repair-must-pay",
+        action=argparse.BooleanOptionalAction,
+        default=str(_env("repair_must_pay", "true")).lower() not in ("0", "false", "no", "off"),
+        help="give a repair up, the prompt prefilled exact at once, where the chance of a close call "
+        "at its guard's margin (read from recent answers) makes going on cost more than that "
+        "prefill (default on)",
+    )
     shared = p.add_argument_group("shared tier (Redis or Valkey, for replicas)")
     shared.add_argument(
         "--redis-url",
@@ -206,6 +214,7 @@ def build_config(args: argparse.Namespace) -> Any:
             repair_margin=args.repair_margin,
             repair_residual_unit=args.repair_residual_unit,
             repair_margin_cap=args.repair_margin_cap,
+            repair_must_pay=args.repair_must_pay,
         ),
         media=MediaPolicy(
             allowed_dir=Path(args.allow_local_dir) if args.allow_local_dir else None,

@@ -1,0 +1,129 @@
+"""What a repair on moved KV risks, read from the engine's own recent answers.
+
+Decoding on repaired KV is guarded (``answer.py``): the first step whose best two scores lie
+closer than the guard's margin moves decoding to exact KV; the prompt is then prefilled again
+exactly and the steps decoded so far are replayed on it. Whether a repair pays therefore depends
+on how likely an answer is to meet a step that close, and how late. That is a property of the
+traffic (the model, the prompts, how long the answers run), not of one request, so it is measured
+on the traffic: every answer's gaps between its best two scores, step by step
+(``Decoded.gaps``), are kept for the last ``size`` answers as running minima, and
+:meth:`CloseCalls.risk` reads how many of them had a step closer than a margin within their first
+``steps`` steps (the rule of succession's (k + 1) / (n + 2): one half with nothing seen, then
+following the count) and how many steps they had decoded before it. What a decode step costs
+beside a prefilled token is measured the same way (:meth:`CloseCalls.step_tokens`: the medians of
+the last timings of each).
+
+:func:`repair_pays` is the decision it feeds (``prompt_cache.py``, sessions' windows in
+``agent/loop.py``), taken once repair has chosen what it would recompute and knows the residual it
+would leave, and so the guard's margin, before anything runs past the selection layer. In prefill
+tokens: going on costs the tokens it recomputes and those still to prefill, plus, with the chance
+``p`` of a close call, the exact prefill of everything after the exact prefix and the steps
+replayed on it; giving up now costs that exact prefill alone. Before any of that is spent (the
+selection layer's pass over the reused tokens, placing them), the same test runs at the smallest
+residual recent repairs measured (:meth:`CloseCalls.low_residual`) with nothing recomputed: a
+repair that would not pay even then is not tried.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+DEFAULT_SIZE = 256
+DEFAULT_STEPS = 256
+TIMINGS = 64  # timings kept of prefill and of decode, and residuals of repairs measured
+MIN_PREFILL_TOKENS = 32  # a prepare that prefilled fewer is not timed (its fixed costs dominate)
+
+
+class Risk(NamedTuple):
+    """chance: of a close call within the answer's steps; steps_before: the mean steps decoded
+    before it, among the answers kept that met one (0 where none did)."""
+
+    chance: float
+    steps_before: float
+
+
+class CloseCalls:
+    """The running minimum of each of the last ``size`` answers' gaps, over their first ``steps``
+    steps, and the last timings of prefill (per token) and of decode (per step). Thread-safe."""
+
+    def __init__(self, size: int = DEFAULT_SIZE, steps: int = DEFAULT_STEPS) -> None:
+        if size < 1 or steps < 1:
+            raise ValueError("size and steps must be at least 1")
+        self.steps = steps
+        self._answers: deque[np.ndarray] = deque(maxlen=size)
+        self._prefill: deque[float] = deque(maxlen=TIMINGS)  # seconds per prefilled token
+        self._decode: deque[float] = deque(maxlen=TIMINGS)  # seconds per decode step
+        self._residuals: deque[float] = deque(maxlen=TIMINGS)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def add(self, gaps: Sequence[float]) -> None:
+        """One answer's gaps, step by step (an answer with none is not counted)."""
+        if len(gaps) == 0:
+            return
+        g = np.asarray(gaps[: self.steps], dtype=np.float64)
+        if np.isnan(g).any():
+            raise ValueError("a gap is NaN")
+        with self._lock:
+            self._answers.append(np.minimum.accumulate(g))
+
+    def risk(self, margin: float, steps: int | None = None) -> Risk:
+        """The chance that an answer of at most ``steps`` steps (None: as long as the answers ran)
+        has a step whose gap is below ``margin``: (k + 1) / (n + 2) over the answers kept, k of n
+        having had one; an answer shorter than ``steps`` counts over its own length (it ended
+        there). With it, the mean number of steps those k answers decoded before that step."""
+        if margin <= 0:
+            return Risk(0.0, 0.0)
+        at = self.steps if steps is None else max(1, min(int(steps), self.steps))
+        with self._lock:
+            answers = list(self._answers)
+        before = [int(np.argmax(a < margin)) for a in answers if a[min(at, len(a)) - 1] < margin]
+        return Risk((len(before) + 1) / (len(answers) + 2), statistics.fmean(before) if before else 0.0)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prepare that prefilled ``tokens`` in ``seconds`` (all it did counted)."""
+        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            with self._lock:
+                self._prefill.append(seconds / tokens)
+
+    def observe_decode(self, steps: int, seconds: float) -> None:
+        """An answer that decoded ``steps`` steps in ``seconds`` (none moved to exact KV)."""
+        if steps > 0 and seconds > 0:
+            with self._lock:
+                self._decode.append(seconds / steps)
+
+    def add_residual(self, residual: float) -> None:
+        """The residual a repair measured (at its selection layer) and would have left."""
+        if residual >= 0 and np.isfinite(residual):
+            with self._lock:
+                self._residuals.append(float(residual))
+
+    def low_residual(self) -> float | None:
+        """The smallest residual of the repairs measured lately (None: none was)."""
+        with self._lock:
+            return min(self._residuals) if self._residuals else None
+
+    def step_tokens(self) -> float:
+        """What a decode step costs, in prefilled tokens (medians of the timings kept; 0 until
+        both were timed)."""
+        with self._lock:
+            if not self._prefill or not self._decode:
+                return 0.0
+            return statistics.median(self._decode) / statistics.median(self._prefill)
+
+
+def repair_pays(risk: Risk, step_tokens: float, recomputed: int, remaining: int, exact: int) -> bool:
+    """Whether going on with a repair costs less than giving it up for the exact prefill, in
+    prefilled tokens: ``recomputed`` tokens run through the later layers, ``remaining`` still to
+    prefill on moved KV, and with ``risk.chance`` the exact prefill (``exact``: everything after the
+    exact prefix) and the ``risk.steps_before`` steps replayed on it, at ``step_tokens`` each."""
+    fallback = exact + risk.steps_before * step_tokens
+    return recomputed + remaining + risk.chance * fallback < exact

@@ -1,0 +1,97 @@
+"""The close calls of recent answers, and whether a repair is worth going on with."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.engine.close_calls import CloseCalls, Risk, repair_pays
+
+
+def test_with_nothing_seen_the_chance_is_one_half_and_a_zero_margin_is_never_met() -> None:
+    calls = CloseCalls()
+    assert calls.risk(0.5) == Risk(0.5, 0.0)
+    assert calls.risk(0.0) == Risk(0.0, 0.0)
+    calls.add([])  # an answer with no step is not counted
+    assert len(calls) == 0
+
+
+def test_the_chance_counts_answers_with_a_step_below_the_margin_within_the_steps() -> None:
+    calls = CloseCalls()
+    calls.add([3.0, 1.0, 2.0])
+    assert calls.risk(2.0, steps=1) == Risk(pytest.approx(1 / 3), 0.0)  # only the first step: 3 >= 2
+    assert calls.risk(2.0, steps=2) == Risk(pytest.approx(2 / 3), 1.0)  # one step decoded before it
+    assert calls.risk(2.0) == Risk(pytest.approx(2 / 3), 1.0)
+    assert calls.risk(1.0).chance == pytest.approx(1 / 3)  # below, not at
+    calls.add([5.0])  # ended after one step: counted over its own length
+    assert calls.risk(2.0, steps=10).chance == pytest.approx(2 / 4)
+    calls.add([0.5, 0.1])  # met at its first step
+    assert calls.risk(2.0).steps_before == pytest.approx(0.5)
+
+
+def test_only_the_last_answers_are_kept() -> None:
+    calls = CloseCalls(size=4)
+    calls.add([0.0])
+    for _ in range(3):
+        calls.add([9.0])
+    assert calls.risk(1.0).chance == pytest.approx(2 / 6)
+    calls.add([9.0])  # the close one is forgotten
+    assert len(calls) == 4
+    assert calls.risk(1.0).chance == pytest.approx(1 / 6)
+
+
+def test_a_nan_gap_is_refused_and_nothing_is_kept() -> None:
+    calls = CloseCalls()
+    with pytest.raises(ValueError, match="NaN"):
+        calls.add([1.0, math.nan])
+    assert len(calls) == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        CloseCalls(size=0)
+
+
+@given(st.lists(st.lists(st.floats(0, 20), min_size=1, max_size=12), max_size=20), st.floats(0.01, 20))
+def test_the_chance_grows_with_the_margin_and_the_steps(answers: list[list[float]], margin: float) -> None:
+    calls = CloseCalls()
+    for a in answers:
+        calls.add(a)
+    chance = [
+        calls.risk(margin, steps=1).chance,
+        calls.risk(margin, steps=4).chance,
+        calls.risk(margin).chance,
+    ]
+    assert 0.0 < chance[0] <= chance[1] <= chance[2] < 1.0
+    assert chance[2] <= calls.risk(margin * 2).chance
+    assert 0.0 <= calls.risk(margin).steps_before < 12
+
+
+def test_a_decode_step_is_priced_in_prefilled_tokens_once_both_were_timed() -> None:
+    calls = CloseCalls()
+    assert calls.step_tokens() == 0.0
+    calls.observe_prefill(1000, 2.0)
+    assert calls.step_tokens() == 0.0
+    calls.observe_decode(10, 0.1)
+    assert calls.step_tokens() == pytest.approx(5.0)  # 10 ms a step, 2 ms a token
+    calls.observe_prefill(8, 1.0)  # too few tokens to time
+    calls.observe_decode(0, 1.0)
+    assert calls.step_tokens() == pytest.approx(5.0)
+
+
+def test_going_on_pays_while_its_work_and_the_risk_cost_less_than_the_exact_prefill() -> None:
+    assert repair_pays(Risk(0.0, 0.0), 0.0, 0, 10, 100)
+    assert repair_pays(Risk(0.4, 0.0), 0.0, 0, 50, 100)  # 50 + 40 < 100
+    assert not repair_pays(Risk(0.5, 0.0), 0.0, 0, 50, 100)  # no gain, and the risk of paying twice
+    assert not repair_pays(Risk(0.4, 0.0), 0.0, 15, 50, 100)  # the recompute tips it
+    assert not repair_pays(Risk(0.4, 8.0), 5.0, 0, 50, 100)  # 50 + 0.4 * (100 + 40) = 106
+    assert repair_pays(Risk(0.4, 8.0), 0.5, 0, 50, 100)
+    assert not repair_pays(Risk(0.0, 0.0), 0.0, 0, 100, 100)  # nothing reused: nothing to gain
+
+
+def test_the_smallest_recent_residual_is_what_a_repair_is_first_tested_at() -> None:
+    calls = CloseCalls()
+    assert calls.low_residual() is None
+    for r in (3e-7, 8e-8, 2e-6, math.nan, -1.0, math.inf):  # not measured: not kept
+        calls.add_residual(r)
+    assert calls.low_residual() == 8e-8
