@@ -311,13 +311,9 @@ class Agent:
             guard=guard,
         )
         ttft_ms = 1000 * (decoded.first_token_at - t0)
-        self._observe(
-            decoded,
-            time.perf_counter(),
-            t0,
-            incoming + prompt.n_tokens if on_window else cm.tokens + prompt.n_tokens,
-            before[3],
-        )
+        # what was prefilled before the first token (a prefill's own time: not where a repair ran)
+        prefilled = (incoming if on_window else cm.tokens) + prompt.n_tokens
+        self._observe(decoded, time.perf_counter(), t0, 0 if served == "moved" else prefilled, before[3])
         if guard is not None and guard.cache is not None:  # a close call: answered on a fresh prefill
             cache, start = guard.cache, guard.start
             served, on_window = "fallback", False

@@ -31,7 +31,10 @@ commits: a full prefill). Per policy and mode:
   stored exactly, and costs more per token; ``one_pass_mismatches`` counts the requests whose
   one-pass tokens differ from the segmented reference's (its last bits differ);
 - ``per_request``: each request's ``served`` (see ``PromptUsage.served``) beside its latencies,
-  cached, segmented and one-pass, in replay order;
+  cached, segmented and one-pass, in replay order, with how it was served (tokens from the exact
+  prefix, moved, recomputed by repair, prefilled, prefilled again by an exact pass; the residual
+  repair measured) and the smallest gap between the best two logits along the full prefill's
+  answer (how close its closest call was);
 - ``fallbacks``: requests whose guarded decoding on repaired KV met a close call and moved to
   exact KV (``agent/engine/answer.py``), and the tokens prefilled again for it;
 - ``guard_curve`` (with ``--repair-margin 0``: the guard off, decoding stays on repaired KV):

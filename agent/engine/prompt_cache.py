@@ -135,9 +135,11 @@ class PromptCacheConfig:
     repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
     selection layer has measured it, before any token runs on through the later layers, and the
     prompt is prepared exact at once (0: never given up). repair_must_pay: a repair is also given
-    up there when going on is expected to cost more than the exact prefill: the chance of a close
-    call at its guard's margin, read from the engine's recent answers (``close_calls.py``), times
-    that prefill, plus the tokens still to prefill on moved KV, against that prefill alone."""
+    up there when going on is expected to cost more than the exact prefill: the tokens it
+    recomputes and those still to prefill on moved KV, plus, with the chance of a close call at its
+    guard's margin (read from the cache's recent answers, ``close_calls.py``), that prefill and the
+    steps it replays; and not tried at all where even the smallest residual measured lately would
+    not pay."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     max_radix_tokens: int = 1 << 20
@@ -420,7 +422,8 @@ class PromptCache:
             served="moved" if counts["relocated"] else "prefix",
         )
         position = int(prompt.pos_off[-1])
-        self.close_calls.observe_prefill(counts["prefilled"], time.perf_counter() - t0)
+        if not counts["relocated"]:  # a prefill's own time: nothing placed by content, nothing repaired
+            self.close_calls.observe_prefill(counts["prefilled"], time.perf_counter() - t0)
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
     def _worth_trying(
@@ -502,25 +505,28 @@ class PromptCache:
         recompute; False gives the repair up before anything runs past the selection layer."""
         ratio = self.config.repair_ratio
         unit = self.config.repair_residual_unit
-        unmeasured = Repaired(0, unit, pays is not None and not pays(unit, 0))
         adapter = self.adapter
+
+        def unmeasured() -> Repaired:
+            return Repaired(0, unit, pays is not None and not pays(unit, 0))
+
         if ratio <= 0:
-            return unmeasured
+            return unmeasured()
         n = adapter.cache_length(cache)
         upto = int(np.searchsorted(prompt.tok_off, n))  # the units the cache holds
         if int(prompt.tok_off[upto]) != n:
-            return unmeasured
+            return unmeasured()
         candidates = torch.cat([prompt.text_rows(a, b) for a, b in spans])
         if candidates.numel() == 0:
-            return unmeasured
+            return unmeasured()
         inputs: torch.Tensor
         if not prompt.has_image(0, upto):
             if not adapter.supports_recompute:
-                return unmeasured
+                return unmeasured()
             inputs, positions = ids_upto(prompt, n), torch.arange(n, dtype=torch.int64)
         else:
             if not isinstance(adapter, VisionAdapter) or adapter.family != "gqa":
-                return unmeasured
+                return unmeasured()
             embeds, where, u = [], [], 0
             for inp in prompt.inputs_between(0, upto):
                 rel, _ = adapter.chunk_positions(inp)
