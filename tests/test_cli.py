@@ -85,11 +85,18 @@ def test_serve_defaults_are_the_prompt_caches(
         "repair_margin",
         "repair_residual_unit",
         "repair_margin_cap",
+        "repair_must_pay",
     )
     got = serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache
     assert {f: getattr(got, f) for f in fields} == {f: getattr(PromptCacheConfig(), f) for f in fields}
     monkeypatch.setenv("KAMERA_REPAIR_MAX_RATIO", "0.4")
     assert serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache.repair_max_ratio == 0.4
+    off = serve_cli.build_config(serve_cli.parser().parse_args(["--no-repair-must-pay"])).prompt_cache
+    assert off.repair_must_pay is False
+    monkeypatch.setenv("KAMERA_REPAIR_MUST_PAY", "off")
+    assert serve_cli.build_config(serve_cli.parser().parse_args([])).prompt_cache.repair_must_pay is False
+    on = serve_cli.build_config(serve_cli.parser().parse_args(["--repair-must-pay"])).prompt_cache
+    assert on.repair_must_pay is True
     # a variable that is not a number is the flag's usage error, not a traceback
     monkeypatch.setenv("KAMERA_REPAIR_RATIO", "abc")
     with pytest.raises(SystemExit) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -95,3 +96,15 @@ def test_the_smallest_recent_residual_is_what_a_repair_is_first_tested_at() -> N
     for r in (3e-7, 8e-8, 2e-6, math.nan, -1.0, math.inf):  # not measured: not kept
         calls.add_residual(r)
     assert calls.low_residual() == 8e-8
+
+
+def test_a_server_s_sessions_share_the_record_of_its_chat_completions(smollm2: Any) -> None:
+    """One record per model: what chat completions' answers showed prices a session's repair,
+    and the other way round; the server's setting of the test reaches the session's window."""
+    from agent.engine.prompt_cache import PromptCacheConfig
+    from agent.engine.runtime import Runtime, RuntimeConfig
+
+    runtime = Runtime(smollm2, RuntimeConfig(prompt_cache=PromptCacheConfig(repair_must_pay=False)))
+    agent = runtime.new_agent("You help.", 1024, "text", 8, "tenant")
+    assert agent.close_calls is runtime.prompt_cache.close_calls
+    assert agent.context.config.repair_must_pay is False
