@@ -262,9 +262,8 @@ class Agent:
             # window's KV
             remaining = incoming + prompt.n_tokens
             pays = self._pays(remaining, reused + remaining, budget)
-            low = self.close_calls.low_residual()  # the best recent repairs did: not worth trying?
-            if pays is not None and low is not None and not pays(low, 0):
-                give_up = True
+            if pays is not None and not self.close_calls.worth_trying(pays):
+                give_up = True  # not even at the best residual recent repairs left
             else:
                 done = cm.repair(lambda rows: self._selection(rows, pays))
                 residual = None if done is None else done.residual

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.engine.close_calls import CloseCalls, Risk, repair_pays
+from agent.engine.close_calls import EXPLORE, CloseCalls, Risk, repair_pays
 
 
 def test_with_nothing_seen_the_chance_is_one_half_and_a_zero_margin_is_never_met() -> None:
@@ -108,3 +108,24 @@ def test_a_server_s_sessions_share_the_record_of_its_chat_completions(smollm2: A
     agent = runtime.new_agent("You help.", 1024, "text", 8, "tenant")
     assert agent.close_calls is runtime.prompt_cache.close_calls
     assert agent.context.config.repair_must_pay is False
+
+
+def test_a_repair_is_tried_unless_the_best_recent_residual_would_not_pay_and_now_and_then_even_so() -> None:
+    calls = CloseCalls()
+    refuse: list[float] = []
+
+    def never(residual: float, recomputed: int) -> bool:
+        refuse.append(residual)
+        return False
+
+    assert calls.worth_trying(never)  # nothing measured yet: tried
+    assert refuse == []
+    calls.add_residual(5e-7)
+    calls.add_residual(2e-7)
+    tried = [calls.worth_trying(never) for _ in range(2 * EXPLORE)]
+    assert refuse == [2e-7] * (2 * EXPLORE)  # asked at the smallest, with nothing recomputed
+    assert [i for i, t in enumerate(tried) if t] == [EXPLORE - 1, 2 * EXPLORE - 1]
+    calls.worth_trying(never)
+    calls.add_residual(3e-7)  # a measurement starts the count again
+    assert not any(calls.worth_trying(never) for _ in range(EXPLORE - 1))
+    assert calls.worth_trying(lambda residual, recomputed: True)

@@ -20,8 +20,9 @@ tokens: going on costs the tokens it recomputes and those still to prefill, plus
 ``p`` of a close call, the exact prefill of everything after the exact prefix and the steps
 replayed on it; giving up now costs that exact prefill alone. Before any of that is spent (the
 selection layer's pass over the reused tokens, placing them), the same test runs at the smallest
-residual recent repairs measured (:meth:`CloseCalls.low_residual`) with nothing recomputed: a
-repair that would not pay even then is not tried.
+residual recent repairs measured with nothing recomputed (:meth:`CloseCalls.worth_trying`): a
+repair that would not pay even then is not tried, save every ``EXPLORE``-th in a row, so that the
+residuals go on being measured and a change in the traffic is seen.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +39,7 @@ DEFAULT_SIZE = 256
 DEFAULT_STEPS = 256
 TIMINGS = 64  # timings kept of prefill and of decode, and residuals of repairs measured
 MIN_PREFILL_TOKENS = 32  # a prepare that prefilled fewer is not timed (its fixed costs dominate)
+EXPLORE = 16  # of repairs skipped in a row on the residuals measured, this one is tried
 
 
 class Risk(NamedTuple):
@@ -60,6 +62,7 @@ class CloseCalls:
         self._prefill: deque[float] = deque(maxlen=TIMINGS)  # seconds per prefilled token
         self._decode: deque[float] = deque(maxlen=TIMINGS)  # seconds per decode step
         self._residuals: deque[float] = deque(maxlen=TIMINGS)
+        self._skipped = 0  # repairs not tried since a residual was last measured
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -105,11 +108,27 @@ class CloseCalls:
         if residual >= 0 and np.isfinite(residual):
             with self._lock:
                 self._residuals.append(float(residual))
+                self._skipped = 0
 
     def low_residual(self) -> float | None:
         """The smallest residual of the repairs measured lately (None: none was)."""
         with self._lock:
             return min(self._residuals) if self._residuals else None
+
+    def worth_trying(self, pays: Callable[[float, int], bool]) -> bool:
+        """Whether to try a repair at all: unless even the smallest residual measured lately, with
+        nothing recomputed, would not pay (``pays``). Of the repairs that would so be skipped in a
+        row, every ``EXPLORE``-th is tried all the same: what is never tried is never measured
+        again, and the residuals would stop following the traffic."""
+        low = self.low_residual()
+        if low is None or pays(low, 0):
+            return True
+        with self._lock:
+            self._skipped += 1
+            if self._skipped < EXPLORE:
+                return False
+            self._skipped = 0
+            return True
 
     def step_tokens(self) -> float:
         """What a decode step costs, in prefilled tokens (medians of the timings kept; 0 until

@@ -429,15 +429,12 @@ class PromptCache:
     def _worth_trying(
         self, plan_steps: Sequence[Any], misses_left: list[int], exact: int, steps: int | None
     ) -> bool:
-        """Whether a repair of the prompt's moved steps could pay at all: at the smallest residual
-        recent repairs measured, nothing recomputed (``close_calls.py``). True where there is
-        nothing to repair, no residual was measured yet, or the check is off."""
+        """Whether to try a repair of the prompt's moved steps: whether it could pay at all, at the
+        smallest residual recent repairs measured with nothing recomputed
+        (``CloseCalls.worth_trying``). True where there is nothing to repair or the check is off."""
         first = next((i for i, s in enumerate(plan_steps) if s.parts and not s.exact), None)
-        low = self.close_calls.low_residual()
-        if first is None or low is None:
-            return True
-        pays = self._pays(misses_left[first], exact, steps)
-        return pays is None or pays(low, 0)
+        pays = None if first is None else self._pays(misses_left[first], exact, steps)
+        return pays is None or self.close_calls.worth_trying(pays)
 
     def _pays(self, remaining: int, exact: int, steps: int | None) -> Callable[[float, int], bool] | None:
         """Whether a repair that would leave a residual and recompute some tokens, with
