@@ -441,9 +441,12 @@ def test_text_beside_a_reused_image_is_repaired(qwen_vl: Any) -> None:
     """A document next to an image, found by content after a longer system prompt: repair
     recomputes its most deviating text tokens (the image keeps its reused KV, read with its
     features and M-RoPE positions, no encoder call), measures what it left, and a greedy answer
-    under the guard is the full prefill's (a random model deviates far: never given up here)."""
+    under the guard is the full prefill's (a random model deviates far: never given up here, for
+    the cap or for the cost)."""
     store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
-    pc = PromptCache(qwen_vl, store, dataclasses.replace(CONFIG, repair_margin_cap=0.0))
+    pc = PromptCache(
+        qwen_vl, store, dataclasses.replace(CONFIG, repair_margin_cap=0.0, repair_must_pay=False)
+    )
     rng = np.random.default_rng(1)
     image = Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8))
     user = Message("user", ("look at this", image, DOC))

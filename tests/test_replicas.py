@@ -199,7 +199,9 @@ def test_b_answering_on_a_kv_answers_as_a_full_prefill(
     prompt_tokens, want = full_prefill_answer(model, second)
     assert got["usage"]["prompt_tokens"] == prompt_tokens
     assert b.metric("kamera_store_hits_total", 'tier="redis"') > 0
-    if report["served"] == "fallback":  # A's KV was read and placed, then a close call let it go
+    # A's KV was read, then let go: a close call, or a repair a fresh server's record of close
+    # calls does not yet find worth its risk (``agent/engine/close_calls.py``)
+    if report["served"] in ("fallback", "given_up"):
         assert report["abandoned_tokens"] > 0, report
     else:
         assert report["shared_tokens"] > 0, report

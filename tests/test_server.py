@@ -248,10 +248,18 @@ def test_video_url_frames_are_image_chunks(client: Any, tmp_path: Path) -> None:
 
 
 def test_sessions_slide_recall_and_window(base_url: str) -> None:
+    """Window operations over HTTP. The session answers on its window's KV as placed (``fast``),
+    so that what a recall rotates is used and reported whatever the server's record of close
+    calls says; whether a repair uses it is ``tests/test_loop.py``'s."""
     with httpx.Client(base_url=base_url, timeout=60) as h:
         r = h.post(
             "/v1/sessions",
-            json={"system_prompt": "You watch and answer.", "budget_tokens": 2000, "max_tokens": 3},
+            json={
+                "system_prompt": "You watch and answer.",
+                "budget_tokens": 2000,
+                "max_tokens": 3,
+                "kamera_reuse": "fast",
+            },
         )
         assert r.status_code == 201, r.text
         sid = r.json()["id"]

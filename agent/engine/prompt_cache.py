@@ -211,8 +211,8 @@ class PromptUsage(NamedTuple):
     # how the answer was served (``SERVED``): on exact KV only, on moved KV, on exact KV after a
     # close call moved decoding there, or on exact KV because the repair was given up
     served: Served = "prefix"
-    # moved KV that was placed and then not answered from (a fallback or a repair given up):
-    # counted nowhere else, since the answer did not rest on it
+    # moved KV that was found and then not answered from (a fallback, a repair given up, or one
+    # not tried because it could not pay): counted nowhere else, since the answer did not rest on it
     abandoned_tokens: int = 0
 
     @property

@@ -231,7 +231,7 @@ class CacheReport(BaseModel):
     # how the answer was served: on exact KV only (prefix), on moved KV (moved), on exact KV after
     # a close call on moved KV (fallback), on exact KV for a repair given up before decoding
     served: Literal["prefix", "moved", "fallback", "given_up"] = "prefix"
-    abandoned_tokens: int = 0  # moved KV placed, then not answered from (fallback, given up)
+    abandoned_tokens: int = 0  # moved KV found, then not answered from (fallback, given up, not tried)
     repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
     # the step at which a close call moved decoding to exact KV (None: none), and of the tokens
     # already sent by then (streamed or under a grammar), how many the exact path would not have
