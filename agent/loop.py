@@ -310,9 +310,11 @@ class Agent:
             guard=guard,
         )
         ttft_ms = 1000 * (decoded.first_token_at - t0)
-        # what was prefilled before the first token (a prefill's own time: not where a repair ran)
+        # what was prefilled before the first token (a prefill's own time: not where a repair was
+        # tried or ran)
         prefilled = (incoming if on_window else cm.tokens) + prompt.n_tokens
-        self._observe(decoded, time.perf_counter(), t0, 0 if served == "moved" else prefilled, before[3])
+        timed = 0 if attempted or served == "moved" else prefilled
+        self._observe(decoded, time.perf_counter(), t0, timed, before[3])
         if guard is not None and guard.cache is not None:  # a close call: answered on a fresh prefill
             cache, start = guard.cache, guard.start
             served, on_window = "fallback", False
@@ -371,7 +373,7 @@ class Agent:
         if decoded.finish_reason == "cancelled":
             return
         calls = self.close_calls
-        calls.add(decoded.gaps)
+        calls.add(decoded.gaps, ended=decoded.finish_reason == "stop")
         if decoded.escalated_at is None:
             calls.observe_decode(len(decoded.gaps) - 1, decoded_at - decoded.first_token_at)
             if encoder_calls(self.adapter) == encoder_before:

@@ -251,7 +251,8 @@ def test_an_answer_records_how_close_each_of_its_calls_was(llama: Any) -> None: 
     out = answer(pc, moved, "", "exact", params)
     d = out.decoded
     assert len(pc.close_calls) == 1
-    assert len(d.gaps) >= len(d.tokens) > 0
+    # one per chosen token, the end token's included when the answer ended on it
+    assert len(d.gaps) == len(d.tokens) + (d.finish_reason == "stop") > 0
     for gap, lp in zip(d.gaps, d.logprobs, strict=False):
         assert gap == pytest.approx(lp.top[0][1] - lp.top[1][1], abs=1e-4)
     assert min(d.gaps) >= 0.0

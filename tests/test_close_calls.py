@@ -33,6 +33,16 @@ def test_the_chance_counts_answers_with_a_step_below_the_margin_within_the_steps
     assert calls.risk(2.0).steps_before == pytest.approx(0.5)
 
 
+def test_an_answer_cut_short_by_its_budget_says_nothing_of_the_steps_it_never_ran() -> None:
+    calls = CloseCalls()
+    calls.add([5.0, 5.0], ended=False)  # stopped at a 2-token budget, no close call
+    calls.add([5.0, 0.5], ended=False)  # stopped at its budget, a close call within it
+    assert calls.risk(1.0, steps=2).chance == pytest.approx(2 / 4)  # both ran the steps asked
+    assert calls.risk(1.0, steps=8).chance == pytest.approx(2 / 3)  # the first is left out
+    calls.add([5.0, 5.0], ended=True)  # ended by itself: no more steps to come
+    assert calls.risk(1.0, steps=8).chance == pytest.approx(2 / 4)
+
+
 def test_only_the_last_answers_are_kept() -> None:
     calls = CloseCalls(size=4)
     calls.add([0.0])
@@ -44,11 +54,12 @@ def test_only_the_last_answers_are_kept() -> None:
     assert calls.risk(1.0).chance == pytest.approx(1 / 6)
 
 
-def test_a_nan_gap_is_refused_and_nothing_is_kept() -> None:
+def test_a_nan_gap_is_not_kept_and_fails_nothing() -> None:
     calls = CloseCalls()
-    with pytest.raises(ValueError, match="NaN"):
-        calls.add([1.0, math.nan])
+    assert calls.add([1.0, math.nan]) is False
+    assert calls.add([]) is False
     assert len(calls) == 0
+    assert calls.add([1.0]) is True
     with pytest.raises(ValueError, match="at least 1"):
         CloseCalls(size=0)
 

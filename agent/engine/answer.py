@@ -104,7 +104,7 @@ def answer(
             final.cache = None
         pc.commit(final)
     if decoded.finish_reason != "cancelled":  # what the next repair risks (``close_calls.py``)
-        pc.close_calls.add(decoded.gaps)
+        pc.close_calls.add(decoded.gaps, ended=decoded.finish_reason == "stop")
         if decoded.escalated_at is None:
             pc.close_calls.observe_decode(len(decoded.gaps) - 1, decoded_at - decoded.first_token_at)
     if final is not prepared:  # the answer rests on the exact pass: its usage, the attempt noted

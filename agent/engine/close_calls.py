@@ -58,7 +58,7 @@ class CloseCalls:
         if size < 1 or steps < 1:
             raise ValueError("size and steps must be at least 1")
         self.steps = steps
-        self._answers: deque[np.ndarray] = deque(maxlen=size)
+        self._answers: deque[tuple[np.ndarray, bool]] = deque(maxlen=size)  # running minima, ended
         self._prefill: deque[float] = deque(maxlen=TIMINGS)  # seconds per prefilled token
         self._decode: deque[float] = deque(maxlen=TIMINGS)  # seconds per decode step
         self._residuals: deque[float] = deque(maxlen=TIMINGS)
@@ -68,28 +68,36 @@ class CloseCalls:
     def __len__(self) -> int:
         return len(self._answers)
 
-    def add(self, gaps: Sequence[float]) -> None:
-        """One answer's gaps, step by step (an answer with none is not counted)."""
-        if len(gaps) == 0:
-            return
+    def add(self, gaps: Sequence[float], ended: bool = True) -> bool:
+        """One answer's gaps, step by step; ``ended``: it stopped by itself (an end token, a stop
+        string), not at its token budget. An answer with no step or a NaN gap is not counted
+        (False): a record is never a reason for an answer to fail."""
         g = np.asarray(gaps[: self.steps], dtype=np.float64)
-        if np.isnan(g).any():
-            raise ValueError("a gap is NaN")
+        if g.size == 0 or np.isnan(g).any():
+            return False
         with self._lock:
-            self._answers.append(np.minimum.accumulate(g))
+            self._answers.append((np.minimum.accumulate(g), ended))
+        return True
 
     def risk(self, margin: float, steps: int | None = None) -> Risk:
         """The chance that an answer of at most ``steps`` steps (None: as long as the answers ran)
         has a step whose gap is below ``margin``: (k + 1) / (n + 2) over the answers kept, k of n
-        having had one; an answer shorter than ``steps`` counts over its own length (it ended
-        there). With it, the mean number of steps those k answers decoded before that step."""
+        having had one. An answer shorter than ``steps`` that ended by itself counts over its own
+        length; one cut short by its budget without such a step says nothing of the steps it never
+        ran and is left out. With it, the mean number of steps the k answers decoded before that
+        step."""
         if margin <= 0:
             return Risk(0.0, 0.0)
         at = self.steps if steps is None else max(1, min(int(steps), self.steps))
         with self._lock:
             answers = list(self._answers)
-        before = [int(np.argmax(a < margin)) for a in answers if a[min(at, len(a)) - 1] < margin]
-        return Risk((len(before) + 1) / (len(answers) + 2), statistics.fmean(before) if before else 0.0)
+        before, n = [], 0
+        for a, ended in answers:
+            close = bool(a[min(at, len(a)) - 1] < margin)
+            if close:
+                before.append(int(np.argmax(a < margin)))
+            n += close or ended or len(a) >= at
+        return Risk((len(before) + 1) / (n + 2), statistics.fmean(before) if before else 0.0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prepare that prefilled ``tokens`` in ``seconds`` (all it did counted)."""

@@ -228,6 +228,7 @@ def decode(
     watch = guard is not None
     masks: list[torch.Tensor] = []  # each step's allowed tokens, kept while a guard watches a grammar
     escalated_at: int | None = None
+    close_gap = float("inf")  # the gap the guard last read
     diverged = 0
     steps = 0  # the step whose token is chosen next (its noise, when sampling)
 
@@ -263,10 +264,12 @@ def decode(
         """The step's scores if its choice stands on approximate KV (their best two lie at least
         the guard's margin apart), else None. A nucleus (top_p < 1) can change with the logits
         however far apart they are: no step under it is clear."""
+        nonlocal close_gap
         if params.temperature > 0.0 and params.top_p < 1.0:
             return None
         scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
-        return scores if _margin(scores, None) >= guard.margin else None  # type: ignore[union-attr]
+        close_gap = _margin(scores, None)
+        return scores if close_gap >= guard.margin else None  # type: ignore[union-attr]
 
     def step(logits: torch.Tensor) -> int:
         """The next token: on exact KV from here on if this choice is too close to call."""
@@ -298,7 +301,9 @@ def decode(
                 break
             logits = adapter.decode_step(t, cache, position)
             position += 1
-        return choose(logits, allowed)
+        token = choose(logits, allowed)
+        gaps[-1] = min(gaps[-1], close_gap)  # the call as close as the guard read it on approximate KV
+        return token
 
     token = step(first_logits)
     first_at = time.perf_counter()

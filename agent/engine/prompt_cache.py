@@ -362,7 +362,11 @@ class PromptCache:
                 continue
             cache = self.adapter.new_cache(window.sync(placed, prompt.n_tokens))
             if repair:
-                done = self._repair(prompt, cache, repair, self._pays(misses_left[i], exact_cost, steps))
+                # what giving up costs: the exact pass places what this attempt prefilled exactly
+                held = sum(kv.n_tokens for _, kv in exact_rows)
+                done = self._repair(
+                    prompt, cache, repair, self._pays(misses_left[i], exact_cost - held, steps)
+                )
                 if done.given_up or done.residual > self.config.give_up_residual:
                     given_up = done.residual
                     break
@@ -422,7 +426,8 @@ class PromptCache:
             served="moved" if counts["relocated"] else "prefix",
         )
         position = int(prompt.pos_off[-1])
-        if not counts["relocated"]:  # a prefill's own time: nothing placed by content, nothing repaired
+        # a prefill's own time: nothing placed by content, nothing repaired, no frame encoded
+        if not counts["relocated"] and encoder_calls(self.adapter) == encoder_before:
             self.close_calls.observe_prefill(counts["prefilled"], time.perf_counter() - t0)
         return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
 
@@ -433,7 +438,12 @@ class PromptCache:
         smallest residual recent repairs measured with nothing recomputed
         (``CloseCalls.worth_trying``). True where there is nothing to repair or the check is off."""
         first = next((i for i, s in enumerate(plan_steps) if s.parts and not s.exact), None)
-        pays = None if first is None else self._pays(misses_left[first], exact, steps)
+        if first is None:
+            return True
+        # the misses before the first moved step are prefilled exactly either way (an exact pass
+        # after a repair places them): neither side of the test pays for them
+        before = misses_left[0] - misses_left[first]
+        pays = self._pays(misses_left[first], exact - before, steps)
         return pays is None or self.close_calls.worth_trying(pays)
 
     def _pays(self, remaining: int, exact: int, steps: int | None) -> Callable[[float, int], bool] | None:
