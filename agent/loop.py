@@ -39,7 +39,7 @@ from agent.adapters.base import ChunkInput, ModelAdapter, TextInput
 from agent.adapters.vision import VisionAdapter, encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.engine.chat import ChatML, TemplateError, chat_format
-from agent.engine.close_calls import CloseCalls, repair_pays
+from agent.engine.close_calls import CloseCalls
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import Served
 from agent.grammar import Constraint, GrammarEngine
@@ -381,17 +381,14 @@ class Agent:
 
     def _pays(self, remaining: int, exact: int, steps: int) -> Callable[[float, int], bool] | None:
         """Chat completions' test of whether a repair is worth going on with
-        (``close_calls.repair_pays``): ``remaining`` tokens to prefill on the window, ``exact``
+        (``CloseCalls.repair_test``): ``remaining`` tokens to prefill on the window, ``exact``
         what a fresh prefill of it prefills. None where the check is off or nothing falls back."""
-        cfg, calls = self.context.config, self.close_calls
+        cfg = self.context.config
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
-
-        def pays(residual: float, recomputed: int) -> bool:
-            margin = guard_margin(cfg.repair_margin, residual, cfg.repair_residual_unit)
-            return repair_pays(calls.risk(margin, steps), calls.step_tokens(), recomputed, remaining, exact)
-
-        return pays
+        return self.close_calls.repair_test(
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps
+        )
 
     def _constraint(self, max_tokens: int) -> Constraint | None:
         grammar = self.policy.grammar(max_tokens) if self.constrain else None

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from agent.modes import guard_margin
+
 DEFAULT_SIZE = 256
 DEFAULT_STEPS = 256
 TIMINGS = 64  # timings kept of prefill and of decode, and residuals of repairs measured
@@ -137,6 +139,21 @@ class CloseCalls:
                 return False
             self._skipped = 0
             return True
+
+    def repair_test(
+        self, margin: float, unit: float, remaining: int, exact: int, steps: int | None
+    ) -> Callable[[float, int], bool]:
+        """The test a repair is put to (:func:`repair_pays`), asked with the residual it would
+        leave and the tokens it would recompute: the guard's margin at that residual
+        (``margin`` at a residual of ``unit``, ``agent.modes.guard_margin``), ``remaining``
+        tokens still to prefill on moved KV, ``exact`` what giving up prefills, ``steps`` the
+        answer's most steps."""
+
+        def pays(residual: float, recomputed: int) -> bool:
+            risk = self.risk(guard_margin(margin, residual, unit), steps)
+            return repair_pays(risk, self.step_tokens(), recomputed, remaining, exact)
+
+        return pays
 
     def step_tokens(self) -> float:
         """What a decode step costs, in prefilled tokens (medians of the timings kept; 0 until

@@ -242,13 +242,19 @@ def decode(
             masks.append(allowed)
         return allowed
 
-    def choose(logits: torch.Tensor, allowed: torch.Tensor | None, scores: torch.Tensor | None = None) -> int:
-        """The step's token: the argmax of its ``scores`` (computed here unless the guard did)."""
+    def choose(
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None,
+        scores: torch.Tensor | None = None,
+        gap: float | None = None,
+    ) -> int:
+        """The step's token: the argmax of its ``scores`` (computed here, with the ``gap`` between
+        their best two, unless the guard did)."""
         nonlocal steps
         if scores is None:
             scores = sample.scores(logits if allowed is None else _masked(logits, allowed), steps)
         token = int(scores.argmax())
-        gaps.append(_margin(scores, None))
+        gaps.append(_margin(scores, None) if gap is None else gap)
         steps += 1
         if params.logprobs:
             logprobs.append(token_logprob(logits, token, params.top_logprobs))
@@ -279,7 +285,7 @@ def decode(
             return choose(logits, allowed)
         scores = clear(logits, allowed)
         if scores is not None:  # the noise drawn once: the choice takes the scores the guard read
-            return choose(logits, allowed, scores)
+            return choose(logits, allowed, scores, close_gap)
         done = list(stream.tokens)
         escalated_at = len(done)
         cache, logits, position = guard.exact()  # type: ignore[union-attr]

@@ -69,7 +69,7 @@ import torch
 from agent.adapters import attention, batched
 from agent.adapters.base import ImageInput, ModelAdapter
 from agent.adapters.vision import VisionAdapter, encoder_calls
-from agent.engine.close_calls import CloseCalls, repair_pays
+from agent.engine.close_calls import CloseCalls
 from agent.engine.prompt import (
     NoImagesError,
     Prompt,
@@ -92,7 +92,6 @@ from agent.modes import (
     ReuseMode,
     check_mode,
     give_up_residual,
-    guard_margin,
 )
 from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
@@ -330,13 +329,8 @@ class PromptCache:
         exact_units = 0
         residual = 0.0
         given_up: float | None = None
-        exact_cost, misses_left = _costs(prompt, plan_steps)
+        exact_cost, misses_left, moved = _costs(prompt, plan_steps)
         if mode == "repair" and not self._worth_trying(plan_steps, misses_left, exact_cost, steps):
-            moved = sum(
-                int(prompt.tok_off[s.end] - prompt.tok_off[s.start])
-                for s in plan_steps
-                if s.parts and not s.exact
-            )
             return self._exact_instead(
                 prompt, tenant_salt, 0.0, encoder_before, moved, prompt.n_tokens - exact_cost
             )
@@ -454,14 +448,9 @@ class PromptCache:
         cfg = self.config
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
-        calls = self.close_calls
-
-        def pays(residual: float, recomputed: int) -> bool:
-            margin = guard_margin(cfg.repair_margin, residual, cfg.repair_residual_unit)
-            risk = calls.risk(margin, steps)
-            return repair_pays(risk, calls.step_tokens(), recomputed, remaining, exact)
-
-        return pays
+        return self.close_calls.repair_test(
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps
+        )
 
     def _hold(self, rows: list[tuple[TableRow, ChunkKV]]) -> None:
         """Store exactly prefilled segments before the prompt is committed (the commit then finds
@@ -626,10 +615,12 @@ class PromptCache:
         return written
 
 
-def _costs(prompt: Prompt, steps: Sequence[Any]) -> tuple[int, list[int]]:
-    """What an exact prefill of the prompt costs (its tokens after the leading exact steps), and,
-    per step, the tokens the steps from there on prefill (their misses)."""
+def _costs(prompt: Prompt, steps: Sequence[Any]) -> tuple[int, list[int], int]:
+    """What an exact prefill of the prompt costs (its tokens after the leading exact steps); per
+    step, the tokens the steps from there on prefill (their misses); and the tokens reused by
+    content (moved)."""
     sizes = [int(prompt.tok_off[s.end] - prompt.tok_off[s.start]) for s in steps]
+    moved = sum(n for s, n in zip(steps, sizes, strict=True) if s.parts and not s.exact)
     lead = 0
     for s, n in zip(steps, sizes, strict=True):
         if not (s.parts and s.exact):
@@ -639,4 +630,4 @@ def _costs(prompt: Prompt, steps: Sequence[Any]) -> tuple[int, list[int]]:
     for i in range(len(steps) - 1, -1, -1):
         misses += 0 if steps[i].parts else sizes[i]
         left[i] = misses
-    return prompt.n_tokens - lead, left
+    return prompt.n_tokens - lead, left, moved
