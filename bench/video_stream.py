@@ -13,7 +13,8 @@ where the reuse mode needs KV a fresh prefill computes) and by re-encoding its w
 (``video_stream_run.py``); the answers are compared token for token and with the renderer's.
 
 Models: ``world`` (the trained world model, ``tools/world/world_vl``, in its labelled layout, a
-prompt of ``--prompt-frames`` frames ending on the question's episode), ``3b`` / ``7b``
+prompt of ``--prompt-frames`` frames ending on the question's episode), ``world-long`` (the same
+trained further on prompts of up to 48 frames, ``tools/world/world_vl_long``), ``3b`` / ``7b``
 (random-weight Qwen2.5-VL at the published widths cut to ``--vision-blocks`` and ``--layers``,
 timed per block and scaled to the real depth; a prompt over the whole window, one token decoded,
 its answers meaningless, so only times and encoder calls count), ``tiny`` (for tests).
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from agent.adapters.loading import WORLD_VL, load_adapter
+from agent.adapters.loading import WORLD_VL, WORLD_VL_LONG, load_adapter
 from agent.adapters.qwen_vl_widths import PUBLISHED, block_groups, build
 from agent.byte_tokenizer import ByteTokenizer
 from bench.block_timer import BlockClock, Timer
@@ -46,10 +47,15 @@ from bench.video_stream_report import print_run, print_summary, summarize
 from bench.video_stream_run import Meter, play, session_args
 from demos.video_session import SYSTEM_PROMPT, VideoSession
 from demos.vl_model import load_vl_adapter
-from tools.world import WORLD_VL_DIR
+from tools.world import WORLD_VL_DIR, WORLD_VL_LONG_DIR
 from tools.world.render import WorldConfig, make_split, write_video
 
-MODELS = ("world", "tiny", *PUBLISHED)
+# the trained world models, in their labelled layout: the shipped one and the one trained on long windows
+WORLD_MODELS = {
+    "world": (WORLD_VL, WORLD_VL_DIR),
+    "world-long": (WORLD_VL_LONG, WORLD_VL_LONG_DIR),
+}
+MODELS = (*WORLD_MODELS, "tiny", *PUBLISHED)
 
 
 class ShowIds(ByteTokenizer):
@@ -62,10 +68,11 @@ class ShowIds(ByteTokenizer):
 
 def load(args: argparse.Namespace) -> tuple[Any, dict[str, int], dict[str, int]]:
     """The adapter, its measured block counts and the real depth they stand for."""
-    if args.model == "world":
-        if not any(WORLD_VL_DIR.glob("*.safetensors")):
-            raise SystemExit(f"{WORLD_VL_DIR} holds no weights (kamera train-demo-model makes them)")
-        adapter: Any = load_adapter(WORLD_VL)
+    if args.model in WORLD_MODELS:
+        name, folder = WORLD_MODELS[args.model]
+        if not any(folder.glob("*.safetensors")):
+            raise SystemExit(f"{folder} holds no weights (kamera train-demo-model makes them)")
+        adapter: Any = load_adapter(name)
         real = None
     elif args.model == "tiny":
         adapter, real = load_vl_adapter("tiny"), None
@@ -82,7 +89,7 @@ def stream(args: argparse.Namespace, adapter: Any, folder: Path) -> tuple[list[t
     """The episodes written as a video and decoded at 1 fps within the model's pixel bounds."""
     from tools.video import SamplingConfig, iter_frames
 
-    size = 56 if args.model == "world" else args.frame_size
+    size = 56 if args.model in WORLD_MODELS else args.frame_size
     episodes = make_split(args.split, args.episodes, WorldConfig(size=size), start=args.start)
     path = write_video(episodes, folder / "stream.mp4", fps=1)
     lo, hi = adapter.pixel_bounds()
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     adapter, measured, real = load(args)
-    labelled = args.model == "world"
+    labelled = args.model in WORLD_MODELS
     schedule = Schedule(args.every, args.lookback_every, args.back, args.back_cycles, args.prompt_frames)
     with tempfile.TemporaryDirectory() as tmp:
         frames, episodes = stream(args, adapter, Path(tmp))
@@ -249,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     args.reuse_modes = [m for m in args.reuse_modes.split(",") if m]
     if args.max_new_tokens is None:
-        args.max_new_tokens = 8 if args.model == "world" else 1
+        args.max_new_tokens = 8 if args.model in WORLD_MODELS else 1
     bad = [m for m in args.reuse_modes if m not in ("exact", "repair", "fast")]
     if bad or min(args.episodes, args.window, args.every, args.prompt_frames, args.max_new_tokens) <= 0:
         parser.error(f"unknown reuse modes {bad}" if bad else "sizes and counts must be > 0")

@@ -15,14 +15,12 @@ Not here: running a model (``video_stream.py``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
-from tools.world.render import Episode
+from tools.world.render import Episode, renumber
 
 Kind = Literal["recent", "look-back"]
-_FRAME_WORD = re.compile(r"\bframe (\d+)\b")
 
 
 @dataclass(frozen=True)
@@ -53,12 +51,6 @@ class Schedule:
     def __post_init__(self) -> None:
         if min(self.every_s, self.lookback_every, self.back_s, self.back_cycles, self.prompt_frames) <= 0:
             raise ValueError("every_s, lookback_every, back_s, back_cycles and prompt_frames must be > 0")
-
-
-def renumber(text: str, offset: int) -> str:
-    """``frame k`` as ``frame k + offset``: an episode's frame k is frame k + offset of a prompt
-    holding ``offset`` frames before the episode."""
-    return _FRAME_WORD.sub(lambda m: f"frame {int(m.group(1)) + offset}", text)
 
 
 def plan(episodes: list[Episode], schedule: Schedule) -> list[StreamQuestion]:

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("av")
 
 from bench.video_stream import ShowIds, main
-from bench.video_stream_plan import Schedule, plan, renumber
+from bench.video_stream_plan import Schedule, plan
 from bench.video_stream_run import TimeSpans, prompt_spans
 from demos.retrieval import FrameRecord
 from tools.world import WORLD_VL_DIR
-from tools.world.render import make_split
+from tools.world.render import make_split, renumber
 
 
 def test_plan_asks_recent_and_look_back_questions() -> None:

@@ -322,3 +322,94 @@ def test_training_is_deterministic_for_a_seed(tmp_path) -> None:
     wb = load_file(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_episode_after_other_frames_counts_frames_within_the_prompt() -> None:
+    """A longer prompt: the last n frames of the episodes before, then the episode; questions and
+    events renumbered, states aligned with frames, the answers unchanged."""
+    from tools.world.render import after_frames
+
+    a, b, ep = make_split("test", 3)
+    long = after_frames(ep, [a, b], 8)
+    assert len(long.frames) == len(long.states) == 8 + len(ep.frames)
+    assert long.frames[:2] == a.frames[-2:]
+    assert long.frames[2:8] == b.frames
+    assert long.frames[8:] == ep.frames
+    assert long.states[8:] == ep.states
+    for q, orig in zip(long.questions, ep.questions, strict=True):
+        assert q.answer == orig.answer
+        assert q.template == orig.template
+        assert q.frames_needed == tuple(k + 8 for k in orig.frames_needed)
+        numbers = [int(k) for k in re.findall(r"frame (\d+)", q.text)]
+        assert numbers == [int(k) + 8 for k in re.findall(r"frame (\d+)", orig.text)]
+        for k in numbers:  # the frame a single-hop question names shows what it asks about
+            assert long.states[k - 1] == ep.states[k - 9]
+    assert [e.frame for e in long.events] == [e.frame + 8 for e in ep.events]
+    assert after_frames(ep, [a], 0).frames == ep.frames
+    with pytest.raises(ValueError, match="hold 12"):
+        after_frames(ep, [a, b], 13)
+    with pytest.raises(ValueError, match=">= 0"):
+        after_frames(ep, [a], -1)
+
+
+def test_with_context_follows_the_episodes_before_wrapping_round() -> None:
+    from tools.world.train import with_context
+
+    eps = make_split("test", 4)
+    out = with_context(eps, 9)
+    assert [len(e.frames) for e in out] == [15] * 4
+    for i, e in enumerate(out):
+        before, last = eps[(i - 2) % 4], eps[(i - 1) % 4]
+        assert e.frames[:3] == before.frames[-3:]
+        assert e.frames[3:9] == last.frames
+        assert e.frames[9:] == eps[i].frames
+    assert with_context(eps, 0) == eps
+
+
+def test_long_window_training_starts_from_a_checkpoint(tmp_path) -> None:
+    """--init fine-tunes a checkpoint on windows of other episodes' frames and scores the test split
+    by prompt length; a checkpoint of another size, or windows the batch cannot fill, are refused."""
+    from safetensors.torch import load_file
+
+    from tools.world.model import ModelSize
+    from tools.world.train import TrainConfig, train
+
+    size = ModelSize(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, mrope_section=(2, 3, 3),
+                     vision_hidden=32, vision_depth=1, vision_heads=2, vision_intermediate=64)  # fmt: skip
+    common = {
+        "batch_size": 3,
+        "warmup": 1,
+        "n_val": 3,
+        "n_test": 3,
+        "eval_every": 100,
+        "threads": 1,
+        "model": size,
+    }
+    threads = torch.get_num_threads()
+    try:
+        train(TrainConfig(steps=1, out_dir=str(tmp_path / "base"), log_dir=str(tmp_path / "logs"), **common))
+        long = TrainConfig(
+            steps=2, context_frames=12, eval_windows=(6, 12), init=str(tmp_path / "base"),
+            out_dir=str(tmp_path / "long"), log_dir=str(tmp_path / "logs"), log_name="long", **common,
+        )  # fmt: skip
+        result = train(long)
+        other = {**common, "model": ModelSize()}
+        with pytest.raises(ValueError, match="hidden 32"):
+            train(TrainConfig(steps=1, init=str(tmp_path / "base"), out_dir=str(tmp_path / "x"),
+                              log_dir=str(tmp_path / "logs"), **other))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert set(result["test_by_window"]) == {"6", "12"}
+    assert result["test_by_window"]["6"]["n_single"] == result["test"]["n_single"] == 12
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    tuned = load_file(str(tmp_path / "long" / "model.safetensors"))
+    assert base.keys() == tuned.keys()
+    assert not all(torch.equal(base[k], tuned[k]) for k in base)
+    assert (tmp_path / "logs" / "long_metrics.json").is_file()
+    readme = (tmp_path / "long" / "README.md").read_text()
+    assert "--context-frames 12" in readme
+    assert "| 12 |" in readme
+    with pytest.raises(ValueError, match="other episodes of a batch"):
+        TrainConfig(batch_size=2, context_frames=7)
+    with pytest.raises(ValueError, match="hold an episode"):
+        TrainConfig(eval_windows=(4,))

@@ -6,7 +6,8 @@ The embedded text model is SmolLM2-135M-Instruct, shipped as a GGUF file inside 
 an ordinary checkpoint folder under the cache directory (``$KAMERA_CACHE_DIR``, default
 ``~/.cache/kamera``) and later loads read that folder. ``world-vl`` names the small Qwen2.5-VL
 trained on the synthetic video world (``tools/world/world_vl``), the embedded model that takes
-images.
+images; ``world-vl-long`` the same model trained further to read windows of up to 48 frames
+(``tools/world/world_vl_long``).
 
 Not here: downloading anything. No model hub is reached; a name that is not a local path or a
 known embedded model is an error.
@@ -32,6 +33,7 @@ from cache.native import cache_dir
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WORLD_VL = "world-vl"  # the small Qwen2.5-VL in tools/world/world_vl
+WORLD_VL_LONG = "world-vl-long"  # the same, trained on long windows: tools/world/world_vl_long
 DECODER_ARCHITECTURES = frozenset(
     {"llama", "qwen2", "qwen3", "mistral", "gpt_neox", "phi", "phi3", "deepseek_v2", "deepseek_v3"}
 )
@@ -115,6 +117,10 @@ def resolve(model: str | None) -> Path:
         from tools.world import WORLD_VL_DIR
 
         return WORLD_VL_DIR
+    if model == WORLD_VL_LONG:
+        from tools.world import WORLD_VL_LONG_DIR
+
+        return WORLD_VL_LONG_DIR
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = cache_dir() / "models" / f"gguf-{path.stem}-{path.stat().st_size}"
@@ -123,7 +129,7 @@ def resolve(model: str | None) -> Path:
         return path
     raise ModelNotFoundError(
         f"{model!r} is not a checkpoint folder (with config.json), a .gguf file, or an embedded model "
-        f"({SMOLLM2!r}, {WORLD_VL!r}); no model hub is reached"
+        f"({SMOLLM2!r}, {WORLD_VL!r}, {WORLD_VL_LONG!r}); no model hub is reached"
     )
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -345,6 +347,43 @@ def make_episode(seed: str | int, cfg: WorldConfig | None = None) -> Episode:
     frames = [render_frame(state, cfg, rng) for state in states]
     questions = _single_questions(states, rng) + _multi_questions(states, events, rng)
     return Episode(frames=frames, questions=questions, states=states, events=events, seed=str(seed))
+
+
+_FRAME_WORD = re.compile(r"\bframe (\d+)\b")
+
+
+def renumber(text: str, offset: int) -> str:
+    """``frame k`` as ``frame k + offset``: an episode's frame k is frame k + offset of a prompt
+    holding ``offset`` frames before the episode."""
+    return _FRAME_WORD.sub(lambda m: f"frame {int(m.group(1)) + offset}", text)
+
+
+def after_frames(episode: Episode, before: Sequence[Episode], n: int) -> Episode:
+    """``episode`` shown after the last ``n`` frames of ``before`` played back to back, as one
+    longer prompt: what a video stream's window holds when a question about ``episode`` comes.
+
+    The result's frames, states and events cover the whole prompt, numbered within it; its
+    questions are ``episode``'s, their ``frame k`` renumbered (multi-hop questions still ask
+    about ``episode``, the prompt's last frames). ``before`` must hold at least ``n`` frames.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    frames = [f for ep in before for f in ep.frames]
+    states = [s for ep in before for s in ep.states]
+    if n > len(frames):
+        raise ValueError(f"{n} frames asked for, but the episodes before hold {len(frames)}")
+    frames, states = frames[len(frames) - n :], states[len(states) - n :]
+    questions = [
+        replace(q, text=renumber(q.text, n), frames_needed=tuple(k + n for k in q.frames_needed))
+        for q in episode.questions
+    ]
+    return Episode(
+        frames=[*frames, *episode.frames],
+        questions=questions,
+        states=[*states, *episode.states],
+        events=[replace(e, frame=e.frame + n) for e in episode.events],
+        seed=f"{episode.seed}+{n}",
+    )
 
 
 def make_split(split: str, n: int, cfg: WorldConfig | None = None, start: int = 0) -> list[Episode]:

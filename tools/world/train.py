@@ -7,6 +7,12 @@ and the test split's accuracy is written beside the checkpoint (``world_vl/``).
 It does *not* reuse or cache anything across steps: the vision tower is trained end to end on
 freshly rendered episodes. Run ``python -m tools.world.train --help`` (or
 ``kamera train-demo-model``).
+
+Long windows: with ``--context-frames N`` every batch shows its episodes after ``0 .. N`` frames
+of the batch's other episodes (drawn per batch), as a video stream's window holds them
+(:func:`~tools.world.render.after_frames`), and the test split is scored by prompt length
+(``--eval-windows``). ``--init DIR`` starts from a checkpoint instead of random weights:
+``world_vl_long/`` is ``world_vl/`` trained on such windows.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from tools.world import WORLD_VL_DIR
 from tools.world.batches import train_batch, training_loss
-from tools.world.model import CHAT_TEMPLATE, ModelSize, build_config, build_processor, evaluate
-from tools.world.render import WorldConfig, episode_seed, make_episode
+from tools.world.model import CHAT_TEMPLATE, Accuracy, ModelSize, build_config, build_processor, evaluate
+from tools.world.render import Episode, WorldConfig, after_frames, episode_seed, make_episode
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,12 @@ class TrainConfig:
     max_minutes: float = 50.0
     out_dir: str = str(WORLD_VL_DIR)
     log_dir: str = "docs"
+    log_name: str = "world_model"  # <log_dir>/<log_name>_metrics.json and _loss.png
+    # frames of other episodes shown before each batch's episodes: 0 .. context_frames, per batch
+    context_frames: int = 0
+    # prompt lengths (frames) the test split is scored at, besides the episodes alone
+    eval_windows: tuple[int, ...] = ()
+    init: str | None = None  # a checkpoint folder to start from; None: random weights
     model: ModelSize = field(default_factory=ModelSize)
     world: WorldConfig = field(default_factory=WorldConfig)
 
@@ -63,6 +75,18 @@ class TrainConfig:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         if self.aux_weight < 0:
             raise ValueError(f"aux_weight must not be negative, got {self.aux_weight}")
+        if self.context_frames < 0:
+            raise ValueError(f"context_frames must not be negative, got {self.context_frames}")
+        if any(w < self.world.n_frames for w in self.eval_windows):
+            raise ValueError(f"eval_windows must each hold an episode ({self.world.n_frames} frames)")
+        held = (min(self.batch_size, self.n_val) - 1) * self.world.n_frames
+        if self.context_frames > held:
+            raise ValueError(
+                f"context_frames {self.context_frames} is more than the other episodes of a batch or "
+                f"of the validation set hold ({held} frames)"
+            )
+        if any(w - self.world.n_frames > (self.n_test - 1) * self.world.n_frames for w in self.eval_windows):
+            raise ValueError("an eval window is longer than the test episodes hold")
 
 
 # --------------------------------------------------------------------------- training
@@ -73,6 +97,27 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def with_context(episodes: Sequence[Episode], n: int) -> list[Episode]:
+    """Each episode after the last ``n`` frames of the others, the ones before it first (wrapping
+    round): episode ``i`` follows ``i - 1``, ``i - 2``, ... as in a stream. ``n = 0``: as they are."""
+    if n == 0:
+        return list(episodes)
+    out = []
+    for i, ep in enumerate(episodes):
+        others = [episodes[(i - j) % len(episodes)] for j in range(len(episodes) - 1, 0, -1)]
+        out.append(after_frames(ep, others, n))
+    return out
+
+
+def accuracy_by_window(
+    model: Qwen2_5_VLForConditionalGeneration, processor: Any, cfg: TrainConfig, windows: Sequence[int]
+) -> dict[int, Accuracy]:
+    """Test-split accuracy with each episode shown after ``w - n_frames`` frames of the test
+    episodes before it (the first ones after the split's last), for each prompt length ``w``."""
+    test = [make_episode(episode_seed("test", i), cfg.world) for i in range(cfg.n_test)]
+    return {w: evaluate(model, processor, with_context(test, w - cfg.world.n_frames)) for w in windows}
 
 
 def _plot(losses: list[float], evals: list[dict[str, Any]], path: Path) -> None:
@@ -107,6 +152,33 @@ def _plot(losses: list[float], evals: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _long_flags(cfg: TrainConfig) -> str:
+    if not (cfg.context_frames or cfg.init or cfg.eval_windows):
+        return ""
+    windows = ",".join(str(w) for w in cfg.eval_windows)
+    init = f" --init {Path(cfg.init).name}" if cfg.init else ""
+    return (
+        f" \\\n        --context-frames {cfg.context_frames} --eval-windows '{windows}'"
+        f" --lr {cfg.lr:g} --warmup {cfg.warmup}{init}"
+    )
+
+
+def _by_window(result: dict[str, Any]) -> str:
+    rows = result.get("test_by_window") or {}
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "By prompt length (each test episode after the frames of the test episodes before it, its",
+        "questions' frame numbers counted within the prompt):",
+        "",
+        "| frames a prompt holds | single-hop | multi-hop |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {w} | {a['single']:.3f} | {a['multi']:.3f} |" for w, a in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
 def _readme(cfg: TrainConfig, result: dict[str, Any]) -> str:
     stop_note = (
         "The run hit the --max-minutes limit before its last step, so the weights depend on how fast\n"
@@ -127,7 +199,7 @@ Frames are {cfg.world.size}x{cfg.world.size} images: {(cfg.world.size // 28) ** 
 Trained with
 
     python -m tools.world.train --steps {cfg.steps} --batch-size {cfg.batch_size} --seed {cfg.seed} \\
-        --max-minutes {cfg.max_minutes:g} --threads {cfg.threads}
+        --max-minutes {cfg.max_minutes:g} --threads {cfg.threads}{_long_flags(cfg)}
 
 (seed {cfg.seed}, {cfg.threads} CPU thread(s), {result["train_seconds"] / 60:.1f} minutes,
 {result["steps_done"]} of {cfg.steps} steps, {result["train_episodes"]} training episodes).
@@ -140,7 +212,7 @@ Greedy test accuracy, full prefill, plain HF model, {cfg.n_test} test-split epis
 | multi-hop | {result["test"]["multi"]:.3f} | {result["test"]["n_multi"]} |
 
 Per template: {json.dumps(result["test"]["per_template"])}
-
+{_by_window(result)}
 Load it as any Qwen2.5-VL checkpoint:
 
     processor = AutoProcessor.from_pretrained(folder)
@@ -156,7 +228,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     processor = build_processor(cfg.world)
-    model = Qwen2_5_VLForConditionalGeneration(build_config(cfg.model, processor.tokenizer))
+    if cfg.init is None:
+        model = Qwen2_5_VLForConditionalGeneration(build_config(cfg.model, processor.tokenizer))
+    else:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.init)
+        text = getattr(model.config, "text_config", model.config)
+        if text.vocab_size != len(processor.tokenizer):
+            raise ValueError(f"{cfg.init} was trained on another vocabulary than this world's")
+        if (text.hidden_size, text.num_hidden_layers) != (cfg.model.hidden, cfg.model.layers):
+            raise ValueError(
+                f"{cfg.init} has hidden {text.hidden_size} and {text.num_hidden_layers} layers; "
+                f"this run's model size says {cfg.model.hidden} and {cfg.model.layers}"
+            )
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
@@ -166,6 +249,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         betas=(0.9, 0.98),
     )
     val = [make_episode(episode_seed("val", i), cfg.world) for i in range(cfg.n_val)]
+    rng_val = random.Random(f"{cfg.seed}/val")  # prompt lengths of the validation checks
     losses: list[float] = []
     aux_losses: list[float] = []
     evals: list[dict[str, Any]] = []
@@ -190,6 +274,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 for j in range(cfg.batch_size)
             ]
             next_episode += cfg.batch_size
+            if cfg.context_frames:
+                eps = with_context(eps, rng.randint(0, cfg.context_frames))
             batch = train_batch(eps, processor, rng, cfg.n_captions)
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
@@ -203,7 +289,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             recent, recent_aux = losses[-20:], aux_losses[-20:]
             info = f"loss {sum(recent) / len(recent):.3f} frames {sum(recent_aux) / len(recent_aux):.3f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                acc = evaluate(model, processor, val)
+                acc = evaluate(model, processor, with_context(val, rng_val.randint(0, cfg.context_frames)))
                 evals.append(
                     {"step": step + 1, "single": acc.single, "multi": acc.multi, "time": time.time() - t0}
                 )
@@ -211,7 +297,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     f"step {step + 1}: loss {info[5:]} val single {acc.single:.3f} multi {acc.multi:.3f} "
                     f"{json.dumps(acc.per_template)} ({(time.time() - t0) / 60:.1f} min)"
                 )
-                _plot(losses, evals, log_dir / "world_model_loss.png")
+                _plot(losses, evals, log_dir / f"{cfg.log_name}_loss.png")
             progress.update(task, advance=1, info=info)
             if time.time() - t0 > 60 * cfg.max_minutes:
                 progress.console.print(f"stopping at step {step + 1}: the {cfg.max_minutes} minute limit")
@@ -220,6 +306,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     test = evaluate(
         model, processor, [make_episode(episode_seed("test", i), cfg.world) for i in range(cfg.n_test)]
     )
+    by_window = accuracy_by_window(model, processor, cfg, cfg.eval_windows)
     result = {
         "parameters": n_params,
         "train_seconds": round(train_seconds, 1),
@@ -227,6 +314,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "steps_done": len(losses),
         "final_loss": sum(losses[-50:]) / len(losses[-50:]),
         "test": asdict(test),
+        "test_by_window": {str(w): asdict(a) for w, a in by_window.items()},
         "val_curve": evals,
         "config": asdict(cfg),
     }
@@ -246,10 +334,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "README.md").write_text(_readme(cfg, result))
-    (log_dir / "world_model_metrics.json").write_text(
+    (log_dir / f"{cfg.log_name}_metrics.json").write_text(
         json.dumps({"losses": losses, **result}, indent=1) + "\n"
     )
-    _plot(losses, evals, log_dir / "world_model_loss.png")
+    _plot(losses, evals, log_dir / f"{cfg.log_name}_loss.png")
     return result
 
 
@@ -279,8 +367,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vision-hidden", type=int, default=size.vision_hidden)
     p.add_argument("--vision-depth", type=int, default=size.vision_depth)
     p.add_argument("--vision-heads", type=int, default=size.vision_heads)
+    p.add_argument("--warmup", type=int, default=defaults.warmup)
+    p.add_argument(
+        "--context-frames",
+        type=int,
+        default=defaults.context_frames,
+        help="show each batch's episodes after 0..N frames of other episodes (long windows; 0: alone)",
+    )
+    p.add_argument(
+        "--eval-windows",
+        default="",
+        help="comma-separated prompt lengths in frames to score the test split at (e.g. 6,16,32,48)",
+    )
+    p.add_argument("--init", default=None, help="start from this checkpoint folder instead of random weights")
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--log-dir", default=defaults.log_dir)
+    p.add_argument("--log-name", default=defaults.log_name, help="stem of the metrics and loss-plot files")
     a = p.parse_args(argv)
     cfg = TrainConfig(
         steps=a.steps,
@@ -296,6 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_minutes=a.max_minutes,
         out_dir=a.out_dir,
         log_dir=a.log_dir,
+        log_name=a.log_name,
+        warmup=a.warmup,
+        context_frames=a.context_frames,
+        eval_windows=tuple(int(w) for w in a.eval_windows.split(",") if w.strip()),
+        init=a.init,
         model=ModelSize(
             hidden=a.hidden,
             layers=a.layers,
