@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from agent.adapters.base import ChunkInput, ImageInput, ModelAdapter, TextInput
+from agent.adapters.loading import WORLD_VL, WORLD_VL_LONG
 from agent.adapters.vision import encoder_calls
 from agent.context import ContextManager, WindowConfig
 from agent.engine.chat import ChatML
@@ -40,7 +41,7 @@ from agent.loop import Agent
 from cache.keys import digest_key
 from demos.retrieval import FrameRecord, make_retrieval
 from demos.vl_model import UsageError, encode_text, fresh_adapter
-from tools.world import WORLD_VL_DIR
+from tools.world import WORLD_VL_DIR, WORLD_VL_LONG_DIR
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -457,8 +458,9 @@ def full_answer(
 
 
 def layout_of(args: argparse.Namespace) -> str:
-    """The prompt layout ``--layout`` asks for (``auto``: labelled on the embedded world model)."""
+    """The prompt layout ``--layout`` asks for (``auto``: labelled on the embedded world models)."""
     if args.layout != "auto":
         return str(args.layout)
-    is_world = args.model is None or Path(args.model).resolve() == Path(WORLD_VL_DIR).resolve()
+    worlds = {Path(WORLD_VL_DIR).resolve(), Path(WORLD_VL_LONG_DIR).resolve()}
+    is_world = args.model in (None, WORLD_VL, WORLD_VL_LONG) or Path(args.model).resolve() in worlds
     return "labelled" if is_world else "chat"

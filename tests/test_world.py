@@ -413,3 +413,18 @@ def test_long_window_training_starts_from_a_checkpoint(tmp_path) -> None:
         TrainConfig(batch_size=2, context_frames=7)
     with pytest.raises(ValueError, match="hold an episode"):
         TrainConfig(eval_windows=(4,))
+
+
+def test_both_world_checkpoints_are_named_and_read_in_their_labelled_layout() -> None:
+    from argparse import Namespace
+
+    from agent.adapters.loading import WORLD_VL, WORLD_VL_LONG, resolve
+    from demos.video_session import layout_of
+    from tools.world import WORLD_VL_LONG_DIR
+
+    assert resolve(WORLD_VL) == WORLD_VL_DIR
+    assert resolve(WORLD_VL_LONG) == WORLD_VL_LONG_DIR
+    for model in (None, WORLD_VL, WORLD_VL_LONG, str(WORLD_VL_DIR), str(WORLD_VL_LONG_DIR)):
+        assert layout_of(Namespace(layout="auto", model=model)) == "labelled", model
+    assert layout_of(Namespace(layout="auto", model="tiny")) == "chat"
+    assert layout_of(Namespace(layout="chat", model=WORLD_VL_LONG)) == "chat"
