@@ -394,7 +394,7 @@ def test_long_window_training_starts_from_a_checkpoint(tmp_path) -> None:
         )  # fmt: skip
         result = train(long)
         other = {**common, "model": ModelSize()}
-        with pytest.raises(ValueError, match="hidden 32"):
+        with pytest.raises(ValueError, match="vision depth"):
             train(TrainConfig(steps=1, init=str(tmp_path / "base"), out_dir=str(tmp_path / "x"),
                               log_dir=str(tmp_path / "logs"), **other))  # fmt: skip
     finally:
@@ -413,6 +413,15 @@ def test_long_window_training_starts_from_a_checkpoint(tmp_path) -> None:
         TrainConfig(batch_size=2, context_frames=7)
     with pytest.raises(ValueError, match="hold an episode"):
         TrainConfig(eval_windows=(4,))
+    with pytest.raises(ValueError, match="labels go up to 99"):
+        TrainConfig(batch_size=32, context_frames=120)
+    assert TrainConfig(n_val=0).context_frames == 0  # no validation set: fine without context
+    from tools.world.train import main
+
+    with pytest.raises(SystemExit):
+        main(["--eval-windows", "6,x"])
+    with pytest.raises(SystemExit):
+        main(["--context-frames", "200"])
 
 
 def test_both_world_checkpoints_are_named_and_read_in_their_labelled_layout() -> None:

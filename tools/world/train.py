@@ -32,7 +32,15 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from tools.world import WORLD_VL_DIR
 from tools.world.batches import train_batch, training_loss
-from tools.world.model import CHAT_TEMPLATE, Accuracy, ModelSize, build_config, build_processor, evaluate
+from tools.world.model import (
+    CHAT_TEMPLATE,
+    MAX_FRAME_LABEL,
+    Accuracy,
+    ModelSize,
+    build_config,
+    build_processor,
+    evaluate,
+)
 from tools.world.render import Episode, WorldConfig, after_frames, episode_seed, make_episode
 
 
@@ -80,13 +88,16 @@ class TrainConfig:
         if any(w < self.world.n_frames for w in self.eval_windows):
             raise ValueError(f"eval_windows must each hold an episode ({self.world.n_frames} frames)")
         held = (min(self.batch_size, self.n_val) - 1) * self.world.n_frames
-        if self.context_frames > held:
+        if self.context_frames and self.context_frames > held:
             raise ValueError(
                 f"context_frames {self.context_frames} is more than the other episodes of a batch or "
                 f"of the validation set hold ({held} frames)"
             )
         if any(w - self.world.n_frames > (self.n_test - 1) * self.world.n_frames for w in self.eval_windows):
             raise ValueError("an eval window is longer than the test episodes hold")
+        longest = max((self.context_frames + self.world.n_frames, *self.eval_windows))
+        if longest > MAX_FRAME_LABEL:
+            raise ValueError(f"a prompt of {longest} frames: frame labels go up to {MAX_FRAME_LABEL}")
 
 
 # --------------------------------------------------------------------------- training
@@ -156,10 +167,11 @@ def _long_flags(cfg: TrainConfig) -> str:
     if not (cfg.context_frames or cfg.init or cfg.eval_windows):
         return ""
     windows = ",".join(str(w) for w in cfg.eval_windows)
-    init = f" --init {Path(cfg.init).name}" if cfg.init else ""
+    init = f" --init {cfg.init}" if cfg.init else ""
     return (
         f" \\\n        --context-frames {cfg.context_frames} --eval-windows '{windows}'"
-        f" --lr {cfg.lr:g} --warmup {cfg.warmup}{init}"
+        f" --lr {cfg.lr:g} --warmup {cfg.warmup}{init} \\\n"
+        f"        --out-dir {cfg.out_dir} --log-name {cfg.log_name}"
     )
 
 
@@ -186,7 +198,7 @@ def _readme(cfg: TrainConfig, result: dict[str, Any]) -> str:
         if result["steps_done"] < cfg.steps
         else "Rerunning with the same seed gives the same weights on the same software stack.\n"
     )
-    return f"""# world_vl: a small Qwen2.5-VL trained on the synthetic video world
+    return f"""# {Path(cfg.out_dir).name}: a small Qwen2.5-VL trained on the synthetic video world
 
 Architecture: `Qwen2_5_VLForConditionalGeneration` ({result["parameters"]:,} parameters, float32).
 Text: hidden {cfg.model.hidden}, {cfg.model.layers} layers,
@@ -233,12 +245,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(cfg.init)
         text = getattr(model.config, "text_config", model.config)
+        vision = model.config.vision_config
         if text.vocab_size != len(processor.tokenizer):
             raise ValueError(f"{cfg.init} was trained on another vocabulary than this world's")
-        if (text.hidden_size, text.num_hidden_layers) != (cfg.model.hidden, cfg.model.layers):
+        held = (text.hidden_size, text.num_hidden_layers, vision.hidden_size, vision.depth)
+        want = (cfg.model.hidden, cfg.model.layers, cfg.model.vision_hidden, cfg.model.vision_depth)
+        if held != want:
             raise ValueError(
-                f"{cfg.init} has hidden {text.hidden_size} and {text.num_hidden_layers} layers; "
-                f"this run's model size says {cfg.model.hidden} and {cfg.model.layers}"
+                f"{cfg.init} has (hidden, layers, vision hidden, vision depth) {held}; "
+                f"this run's model size says {want}"
             )
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -249,7 +264,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         betas=(0.9, 0.98),
     )
     val = [make_episode(episode_seed("val", i), cfg.world) for i in range(cfg.n_val)]
-    rng_val = random.Random(f"{cfg.seed}/val")  # prompt lengths of the validation checks
+    val = with_context(val, cfg.context_frames)  # checked at the longest prompt trained on
     losses: list[float] = []
     aux_losses: list[float] = []
     evals: list[dict[str, Any]] = []
@@ -289,7 +304,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             recent, recent_aux = losses[-20:], aux_losses[-20:]
             info = f"loss {sum(recent) / len(recent):.3f} frames {sum(recent_aux) / len(recent_aux):.3f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                acc = evaluate(model, processor, with_context(val, rng_val.randint(0, cfg.context_frames)))
+                acc = evaluate(model, processor, val)
                 evals.append(
                     {"step": step + 1, "single": acc.single, "multi": acc.multi, "time": time.time() - t0}
                 )
@@ -384,35 +399,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-dir", default=defaults.log_dir)
     p.add_argument("--log-name", default=defaults.log_name, help="stem of the metrics and loss-plot files")
     a = p.parse_args(argv)
-    cfg = TrainConfig(
-        steps=a.steps,
-        batch_size=a.batch_size,
-        lr=a.lr,
-        seed=a.seed,
-        eval_every=a.eval_every,
-        n_test=a.n_test,
-        n_val=a.n_val,
-        threads=a.threads,
-        n_captions=a.n_captions,
-        aux_weight=a.aux_weight,
-        max_minutes=a.max_minutes,
-        out_dir=a.out_dir,
-        log_dir=a.log_dir,
-        log_name=a.log_name,
-        warmup=a.warmup,
-        context_frames=a.context_frames,
-        eval_windows=tuple(int(w) for w in a.eval_windows.split(",") if w.strip()),
-        init=a.init,
-        model=ModelSize(
-            hidden=a.hidden,
-            layers=a.layers,
-            intermediate=3 * a.hidden,
-            vision_hidden=a.vision_hidden,
-            vision_depth=a.vision_depth,
-            vision_heads=a.vision_heads,
-            vision_intermediate=2 * a.vision_hidden,
-        ),
-    )
+    try:
+        windows = tuple(int(w) for w in a.eval_windows.split(",") if w.strip())
+    except ValueError:
+        p.error(f"--eval-windows takes comma-separated frame counts, got {a.eval_windows!r}")
+    try:
+        cfg = TrainConfig(
+            steps=a.steps,
+            batch_size=a.batch_size,
+            lr=a.lr,
+            seed=a.seed,
+            eval_every=a.eval_every,
+            n_test=a.n_test,
+            n_val=a.n_val,
+            threads=a.threads,
+            n_captions=a.n_captions,
+            aux_weight=a.aux_weight,
+            max_minutes=a.max_minutes,
+            out_dir=a.out_dir,
+            log_dir=a.log_dir,
+            log_name=a.log_name,
+            warmup=a.warmup,
+            context_frames=a.context_frames,
+            eval_windows=windows,
+            init=a.init,
+            model=ModelSize(
+                hidden=a.hidden,
+                layers=a.layers,
+                intermediate=3 * a.hidden,
+                vision_hidden=a.vision_hidden,
+                vision_depth=a.vision_depth,
+                vision_heads=a.vision_heads,
+                vision_intermediate=2 * a.vision_hidden,
+            ),
+        )
+    except ValueError as e:
+        p.error(str(e))
     result = train(cfg)
     print(json.dumps({k: result[k] for k in ("parameters", "train_seconds", "test")}, indent=2))
     return 0
