@@ -52,8 +52,13 @@ from tools.world.render import WorldConfig, make_split, write_video
 
 # the trained world models, in their labelled layout: the shipped one and the one trained on long windows
 WORLD_MODELS = {
-    "world": (WORLD_VL, WORLD_VL_DIR),
-    "world-long": (WORLD_VL_LONG, WORLD_VL_LONG_DIR),
+    "world": (WORLD_VL, WORLD_VL_DIR, "kamera train-demo-model"),
+    "world-long": (
+        WORLD_VL_LONG,
+        WORLD_VL_LONG_DIR,
+        "kamera train-demo-model --init tools/world/world_vl --context-frames 42 "
+        "--out-dir tools/world/world_vl_long (docs/world_model.md)",
+    ),
 }
 MODELS = (*WORLD_MODELS, "tiny", *PUBLISHED)
 
@@ -69,9 +74,9 @@ class ShowIds(ByteTokenizer):
 def load(args: argparse.Namespace) -> tuple[Any, dict[str, int], dict[str, int]]:
     """The adapter, its measured block counts and the real depth they stand for."""
     if args.model in WORLD_MODELS:
-        name, folder = WORLD_MODELS[args.model]
+        name, folder, how = WORLD_MODELS[args.model]
         if not any(folder.glob("*.safetensors")):
-            raise SystemExit(f"{folder} holds no weights (kamera train-demo-model makes them)")
+            raise SystemExit(f"{folder} holds no weights ({how} makes them)")
         adapter: Any = load_adapter(name)
         real = None
     elif args.model == "tiny":
