@@ -437,3 +437,27 @@ def test_both_world_checkpoints_are_named_and_read_in_their_labelled_layout() ->
         assert layout_of(Namespace(layout="auto", model=model)) == "labelled", model
     assert layout_of(Namespace(layout="auto", model="tiny")) == "chat"
     assert layout_of(Namespace(layout="chat", model=WORLD_VL_LONG)) == "chat"
+
+
+@pytest.mark.skipif(
+    not (WORLD_VL_DIR.parent / "world_vl_long" / "model.safetensors").is_file()
+    or not (WORLD_VL_DIR / "model.safetensors").is_file(),
+    reason="world_vl or world_vl_long checkpoint not present",
+)
+def test_long_window_checkpoint_reads_32_frames_where_the_six_frame_one_cannot() -> None:
+    """Test episodes each shown after 26 frames of the episodes before them (a 32-frame prompt):
+    the long-window checkpoint answers most single-hop questions, the six-frame one few."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tools.world import WORLD_VL_LONG_DIR
+    from tools.world.model import build_processor
+    from tools.world.train import TrainConfig, accuracy_by_window
+
+    cfg = TrainConfig(n_test=8)
+    processor = build_processor(cfg.world)
+    single = {}
+    for name, folder in (("short", WORLD_VL_DIR), ("long", WORLD_VL_LONG_DIR)):
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder)
+        single[name] = accuracy_by_window(model, processor, cfg, (32,))[32].single
+    assert single["long"] >= 0.75, single
+    assert single["short"] <= 0.5, single
