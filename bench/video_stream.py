@@ -56,8 +56,7 @@ WORLD_MODELS = {
     "world-long": (
         WORLD_VL_LONG,
         WORLD_VL_LONG_DIR,
-        "kamera train-demo-model --init tools/world/world_vl --context-frames 42 "
-        "--out-dir tools/world/world_vl_long (docs/world_model.md)",
+        'the two runs of kamera train-demo-model in docs/world_model.md, "Long windows",',
     ),
 }
 MODELS = (*WORLD_MODELS, "tiny", *PUBLISHED)

@@ -451,13 +451,13 @@ def test_long_window_checkpoint_reads_32_frames_where_the_six_frame_one_cannot()
 
     from tools.world import WORLD_VL_LONG_DIR
     from tools.world.model import build_processor
-    from tools.world.train import TrainConfig, accuracy_by_window
+    from tools.world.train import accuracy_by_window
 
-    cfg = TrainConfig(n_test=8)
-    processor = build_processor(cfg.world)
+    processor = build_processor(WorldConfig())
+    episodes = make_split("test", 8)
     single = {}
     for name, folder in (("short", WORLD_VL_DIR), ("long", WORLD_VL_LONG_DIR)):
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder)
-        single[name] = accuracy_by_window(model, processor, cfg, (32,))[32].single
+        single[name] = accuracy_by_window(model, processor, episodes, (32,))[32].single
     assert single["long"] >= 0.75, single
     assert single["short"] <= 0.5, single

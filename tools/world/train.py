@@ -123,12 +123,15 @@ def with_context(episodes: Sequence[Episode], n: int) -> list[Episode]:
 
 
 def accuracy_by_window(
-    model: Qwen2_5_VLForConditionalGeneration, processor: Any, cfg: TrainConfig, windows: Sequence[int]
+    model: Qwen2_5_VLForConditionalGeneration,
+    processor: Any,
+    episodes: Sequence[Episode],
+    windows: Sequence[int],
 ) -> dict[int, Accuracy]:
-    """Test-split accuracy with each episode shown after ``w - n_frames`` frames of the test
-    episodes before it (the first ones after the split's last), for each prompt length ``w``."""
-    test = [make_episode(episode_seed("test", i), cfg.world) for i in range(cfg.n_test)]
-    return {w: evaluate(model, processor, with_context(test, w - cfg.world.n_frames)) for w in windows}
+    """Accuracy with each of ``episodes`` (of one length) shown after the frames of the episodes
+    before it (the first ones after the last), for each prompt length ``w`` in frames."""
+    n = len(episodes[0].frames)
+    return {w: evaluate(model, processor, with_context(episodes, w - n)) for w in windows}
 
 
 def _plot(losses: list[float], evals: list[dict[str, Any]], path: Path) -> None:
@@ -248,11 +251,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         vision = model.config.vision_config
         if text.vocab_size != len(processor.tokenizer):
             raise ValueError(f"{cfg.init} was trained on another vocabulary than this world's")
-        held = (text.hidden_size, text.num_hidden_layers, vision.hidden_size, vision.depth)
+        has = (text.hidden_size, text.num_hidden_layers, vision.hidden_size, vision.depth)
         want = (cfg.model.hidden, cfg.model.layers, cfg.model.vision_hidden, cfg.model.vision_depth)
-        if held != want:
+        if has != want:
             raise ValueError(
-                f"{cfg.init} has (hidden, layers, vision hidden, vision depth) {held}; "
+                f"{cfg.init} has (hidden, layers, vision hidden, vision depth) {has}; "
                 f"this run's model size says {want}"
             )
     n_params = sum(p.numel() for p in model.parameters())
@@ -318,10 +321,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 progress.console.print(f"stopping at step {step + 1}: the {cfg.max_minutes} minute limit")
                 break
     train_seconds = time.time() - t0
-    test = evaluate(
-        model, processor, [make_episode(episode_seed("test", i), cfg.world) for i in range(cfg.n_test)]
-    )
-    by_window = accuracy_by_window(model, processor, cfg, cfg.eval_windows)
+    test_episodes = [make_episode(episode_seed("test", i), cfg.world) for i in range(cfg.n_test)]
+    # the episodes alone are the window of their own length: scored once
+    windows = tuple(dict.fromkeys((cfg.world.n_frames, *cfg.eval_windows)))
+    by_window = accuracy_by_window(model, processor, test_episodes, windows)
+    test = by_window[cfg.world.n_frames]
+    if cfg.world.n_frames not in cfg.eval_windows:
+        del by_window[cfg.world.n_frames]
     result = {
         "parameters": n_params,
         "train_seconds": round(train_seconds, 1),
