@@ -153,6 +153,25 @@ class RadixTree:
         deepest = partial or (node if node.parent is not None else None)
         return MatchResult(n, deepest, tuple(segments))
 
+    def payloads_below(self, node: RadixNode | None, limit: int = 8) -> tuple[object, ...]:
+        """Up to ``limit`` distinct payloads of ``node`` and the nodes under it, nearest first
+        and, among siblings, the last used first: the stored sequences that go on past where a
+        match ended (a node keeps the payload of the sequence that made its edge)."""
+        out: list[object] = []
+        seen: set[int] = set()
+        level = [node] if node is not None and node.parent is not None else []
+        while level and len(out) < limit:
+            for n in level:
+                if n.payload is not None and id(n.payload) not in seen:
+                    seen.add(id(n.payload))
+                    out.append(n.payload)
+                    if len(out) == limit:
+                        break
+            level = sorted(
+                (c for n in level for c in n.children.values()), key=lambda c: c.last_access, reverse=True
+            )
+        return tuple(out)
+
     def insert(self, key: RadixKey, payload: object) -> InsertResult:
         """Add ``key``'s tokens; new tokens are stored as ``payload`` at their offsets in ``key``.
 

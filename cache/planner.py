@@ -54,6 +54,9 @@ class Plan(NamedTuple):
     prefix_len: int
     n_tokens: int
     prefix: tuple[Segment, ...]  # where the KV of tokens [0, prefix_len) lies, in order
+    # stored sequences that hold tokens [0, prefix_len) and may go on past it, nearest first
+    # (``RadixTree.payloads_below``)
+    continuations: tuple[object, ...] = ()
 
     def tokens_by_status(self) -> dict[Status, int]:
         out: dict[Status, int] = dict.fromkeys(STATUSES, 0)
@@ -128,7 +131,8 @@ class Planner:
                 chunks.append(PlannedChunk(s, e, k, "miss", None, None))
             else:
                 chunks.append(PlannedChunk(s, e, k, "relocated-hit", r.entry.source_start, r.entry.payload))
-        return Plan(tuple(chunks), p, len(ids), match.segments)
+        below = self.radix.payloads_below(match.node) if p else ()
+        return Plan(tuple(chunks), p, len(ids), match.segments, below)
 
     def _split_at_prefix_end(
         self, ids: np.ndarray, span: tuple[int, int], key: ContentKey, p: int

@@ -81,14 +81,54 @@ def test_a_prefix_computed_in_another_prompts_pass_continues_as_one_pass() -> No
         _, earlier = prefill_cut(adapter, first, [])
         whole_logits, whole = prefill_cut(adapter, second, [])
         keep = len(shared) // BLOCK * BLOCK
-        d = adapter.arena_dims
-        arena = KVArena(d.n_layers, d.k, d.v, len(second) + 4, d.dtype, d.device)
-        for layer in range(d.n_layers):
-            k, v = earlier.views(layer)
-            arena.append(layer, k[0, :, :keep], v[0, :, :keep], arena.generation)
-        rest = adapter.prefill(adapter.text(second[keep:]), adapter.new_cache(arena), keep, last_only=True)
-        assert torch.equal(rest.logits[-1], whole_logits)
+        logits, arena = place_then_prefill(adapter, earlier, second, keep)
+        assert torch.equal(logits, whole_logits)
         assert same_kv(arena, whole, len(second))
+
+
+def place_then_prefill(
+    adapter: ModelAdapter, earlier: KVArena, ids: list[int], keep: int
+) -> tuple[torch.Tensor, KVArena]:
+    """The first ``keep`` tokens' KV taken from ``earlier`` (another prompt's pass), the rest of
+    ``ids`` prefilled after them in one pass: the last logits and the arena."""
+    d = adapter.arena_dims
+    arena = KVArena(d.n_layers, d.k, d.v, len(ids) + 4, d.dtype, d.device)
+    for layer in range(d.n_layers):
+        k, v = earlier.views(layer)
+        arena.append(layer, k[0, :, :keep], v[0, :, :keep], arena.generation)
+    rest = adapter.prefill(adapter.text(ids[keep:]), adapter.new_cache(arena), keep, last_only=True)
+    return rest.logits[-1], arena
+
+
+def token_cuts(adapter: ModelAdapter) -> list[tuple[int, bool]]:
+    """For a prefix kept to every 7th token of a block, whether the rest prefilled after it gives
+    the one pass's logits and KV. Both prompts run the block the cut lies in whole."""
+    rng = random.Random(3)
+    first = [rng.randrange(500) for _ in range(2 * BLOCK + 40)]
+    _, earlier = prefill_cut(adapter, first, [])
+    out = []
+    for keep in range(BLOCK + 1, 2 * BLOCK, 7):
+        second = first[:keep] + [rng.randrange(500) for _ in range(2 * BLOCK + 10 - keep)]
+        whole_logits, whole = prefill_cut(adapter, second, [])
+        logits, arena = place_then_prefill(adapter, earlier, second, keep)
+        out.append((keep, torch.equal(logits, whole_logits) and same_kv(arena, whole, len(second))))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2.5-vl"])
+def test_a_prefix_placed_to_the_token_continues_as_one_pass(family: str) -> None:
+    """A prefix cut inside a block, its KV from another prompt's pass that ran the block whole,
+    then the rest in a pass that begins inside the block: the one pass's KV and logits."""
+    adapter = load_adapter(f"tiny:{family}")
+    assert all(same for _, same in token_cuts(adapter))
+
+
+def test_the_check_catches_a_pass_that_runs_its_first_block_cut_short(monkeypatch: Any) -> None:
+    """Inverse: a pass beginning inside a block that runs only its own rows there (other shapes
+    than the one pass's block) gives other bits for some cuts."""
+    adapter = load_adapter("tiny:llama-gqa")
+    monkeypatch.setattr(attention, "PAD_PARTIAL_BLOCKS", False)
+    assert not all(same for _, same in token_cuts(adapter))
 
 
 def test_the_check_catches_a_kernel_whose_result_depends_on_the_cut() -> None:
@@ -142,7 +182,8 @@ def test_exact_reuse_equals_the_one_pass_full_prefill_bit_for_bit(bound: int | N
         warm = pc.prepare(prompt, mode="exact")
     finally:
         batched.bind(None)
-    assert warm.usage.prefix_tokens == 700 // BLOCK * BLOCK
+    # the exact prefix ends at the token: both prompts run the block holding token 700 whole
+    assert warm.usage.prefix_tokens == 700
     assert warm.usage.prefilled_tokens == prompt.n_tokens - warm.usage.prefix_tokens
     if stepper is not None:
         before = [b - a for b, a in stepper.passes]
@@ -161,8 +202,53 @@ def test_exact_reuse_equals_the_one_pass_full_prefill_bit_for_bit(bound: int | N
     # the segments stored from grouped passes are the grain of the next exact hit
     pc.commit(warm)
     again = pc.prepare(prompt, "", mode="exact")
+    # its last block is cut short by the prompt's end: the prefix ends at the block's edge
     assert again.usage.prefix_tokens == (prompt.n_tokens - 1) // BLOCK * BLOCK
     assert torch.equal(again.logits, one.logits)
+
+
+def test_the_exact_prefix_ends_at_the_token_only_where_both_prompts_run_its_block_whole() -> None:
+    """Exact reuse to the token: where the earlier prompt, or this one, ends inside the block the
+    match ends in, or the earlier prompt's pass stopped there (its exact part ended before moved
+    KV), the prefix ends at the block's edge. Every answer is the one-pass full prefill's."""
+    adapter = load_adapter("tiny:llama-gqa")
+    adapter.tokenizer = ByteTokenizer()
+    rng = random.Random(6)
+    shared = [rng.randrange(500) for _ in range(700)]
+    block_edge = 700 // BLOCK * BLOCK  # 640; the block [640, 768)
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(500) for _ in range(n)]
+
+    def served(first: list[int], second: list[int], first_mode: str = "exact") -> int:
+        pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+        pc.commit(pc.prepare(text_prompt(pc, first), mode=first_mode))  # type: ignore[arg-type]
+        prompt = text_prompt(pc, second)
+        warm = pc.prepare(prompt, mode="exact")
+        assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
+        return warm.usage.prefix_tokens
+
+    assert served(shared + tail(100), shared + tail(200)) == 700  # both run [640, 768) whole
+    assert served(shared + tail(20), shared + tail(200)) == block_edge  # the earlier one ends inside
+    assert served(shared + tail(100), shared + tail(30)) == block_edge  # this one ends inside
+    # the earlier prompt's exact part stops at 720, where content it had seen before follows
+    # (reused at a moved place): its pass over [640, 720) ended inside the block
+    moved = tail(300)
+    pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+
+    def pieces(*parts: list[int]) -> Prompt:  # piece edges are chunk edges: the moved text is a chunk
+        return build_prompt(adapter, [TextPiece(tuple(x), False) for x in parts], pc.image_unit)
+
+    pc.commit(pc.prepare(pieces(moved, tail(5)), mode="exact"))
+    earlier = pieces(shared + tail(20), moved, tail(5))
+    first = pc.prepare(earlier, mode="fast")
+    assert first.usage.relocated_tokens > 0
+    assert first.exact_units == 720
+    pc.commit(first)
+    prompt = text_prompt(pc, shared + tail(200))
+    warm = pc.prepare(prompt, mode="exact")
+    assert warm.usage.prefix_tokens == block_edge
+    assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
 
 
 def test_exact_reuse_after_an_image_equals_the_full_prefill() -> None:

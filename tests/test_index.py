@@ -40,6 +40,24 @@ def test_radix_match_and_segments() -> None:
     assert t.match_prefix(RadixKey([1, 2, 3], extra_key=b"tenant-b")).matched_len == 0
 
 
+def test_radix_payloads_below_a_match_are_the_sequences_that_go_on_past_it() -> None:
+    """Where a match ends, the stored sequences holding it: the one that made the edge, then
+    those under it, nearest first, the last used first among siblings; each once."""
+    t = RadixTree()
+    t.insert(RadixKey([1, 2, 3]), "A")
+    t.insert(RadixKey([1, 2, 3, 4, 5]), "B")  # goes on past A
+    t.insert(RadixKey([1, 2, 3, 4, 6, 7]), "C")  # splits B's edge after [4]
+    t.insert(RadixKey([1, 2, 3, 8]), "D")
+    t.match_prefix(RadixKey([1, 2, 3, 8]))  # D used last
+    m = t.match_prefix(RadixKey([1, 2, 9]))  # ends inside A's edge
+    assert m.matched_len == 2
+    assert t.payloads_below(m.node) == ("A", "D", "B", "C")
+    assert t.payloads_below(m.node, limit=2) == ("A", "D")
+    m = t.match_prefix(RadixKey([1, 2, 3, 4, 9]))  # ends at the node B's edge was split at
+    assert t.payloads_below(m.node) == ("B", "C")
+    assert t.payloads_below(t.match_prefix(RadixKey([5])).node) == ()
+
+
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(
     seqs=st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=8),
@@ -201,7 +219,7 @@ def reference_plan(pl: Planner, tok: np.ndarray, starts: list[int]) -> Plan:
         else:
             key = token_key(NS, tok[s:e])
             out.append(PlannedChunk(s, e, key, "relocated-hit", entry.source_start, entry.payload))
-    return Plan(tuple(out), p, len(tok), match.segments)
+    return Plan(tuple(out), p, len(tok), match.segments, pl.radix.payloads_below(match.node) if p else ())
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)

@@ -1,20 +1,22 @@
 """Prefill attention whose result does not depend on how the prompt was cut, and grouped-query
 attention without copying the cache.
 
-**Cut invariance.** A prompt prefilled in one pass and the same prompt prefilled in several
-passes (a cached prefix placed, the rest computed after it) must give the same KV bit for bit, or
-an exact cache hit is not exact. SDPA's CPU kernel over a whole pass does not: it tiles the
-queries and the keys by sizes chosen from how many the pass holds (keys: all of them below 512,
-else 512 at a time) and takes each query's softmax tile by tile, so a row's sums depend on where
-the pass began and ended. :func:`blocked_forward` cuts the pass's queries into fixed blocks of
-``BLOCK`` rows, aligned to multiples of ``BLOCK`` in the sequence (and to the pass's own start),
-and runs SDPA once per block, over exactly the keys up to the block's end. A row's block, and so
-every shape, tile and sum it goes through, is the same whether the pass that computed it began
-at 0 or at any multiple of ``BLOCK`` up to the row's own block, and whether the prompt goes on
-after it or not. With the row-wise layers (norms, projections, MLP: products whose rows do not
-mix, on at least 12 rows, see ``decoder.PASS_MIN_ROWS``), a prefill cut at multiples of ``BLOCK``
-tokens therefore writes the KV and logits of one pass (``tests/test_cut_invariance.py``). What it
-costs against SDPA over the whole pass: ``kamera bench prefill-tax`` (``docs/prefill_tax.md``).
+**Cut invariance.** A prompt prefilled in one pass and the same prompt prefilled in several passes
+(a cached prefix placed, the rest computed after it) must give the same KV bit for bit, or an exact
+cache hit is not exact. SDPA's CPU kernel over a whole pass does not: it tiles the queries and the
+keys by sizes chosen from how many the pass holds (keys: all of them below 512, else 512 at a time)
+and takes each query's softmax tile by tile, so a row's sums depend on where the pass began and
+ended. :func:`blocked_forward` cuts the pass's queries into fixed blocks of ``BLOCK`` rows, aligned
+to multiples of ``BLOCK`` in the sequence (and to the pass's own start), and runs SDPA once per
+block, over exactly the keys up to the block's end. A row's block, and so every shape, tile and sum
+it goes through, is the same whether the pass that computed it began at 0 or at any multiple of
+``BLOCK`` up to the row's own block, and whether the prompt goes on after it or not. A pass that
+begins inside a block (after a prefix placed to the token) runs that block whole, the rows before
+its start as stand-ins whose results are dropped, so its rows too go through their one-pass shapes.
+With the row-wise layers (norms, projections, MLP: products whose rows do not mix, on at least 12
+rows, see ``decoder.PASS_MIN_ROWS``), a prefill cut at multiples of ``BLOCK`` tokens therefore
+writes the KV and logits of one pass (``tests/test_cut_invariance.py``). What it costs against SDPA
+over the whole pass: ``kamera bench prefill-tax`` (``docs/prefill_tax.md``).
 
 Decode steps (one query row), masks given as additive numbers (selective recompute), sliding
 windows, soft caps, attention sinks and non-causal layers (vision towers) go to SDPA whole.
@@ -44,6 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "kamera_blocked"
 BLOCK = 128  # query rows per block; a prefill may be cut at any multiple of it
 _PLAIN_KWARGS = ("position_bias", "softcap", "sliding_window", "s_aux")
+PAD_PARTIAL_BLOCKS = True  # run a block that a pass begins inside whole (False only to show why)
 
 
 def gqa_sdpa_forward(
@@ -122,20 +125,32 @@ def blocked_forward(
     while start < k_len:
         end = min((start // BLOCK + 1) * BLOCK, k_len)
         n, r0 = end - start, start - offset
+        # a pass that begins inside a block (after a prefix placed to the token) runs the block
+        # whole: the rows before its start are stand-ins, so the block's shapes, tiles and sums
+        # are those of a pass that began at the block's edge (a row's result does not depend on
+        # the values of the other rows, only on the shapes; the stand-ins are dropped)
+        lead = start % BLOCK if PAD_PARTIAL_BLOCKS else 0
+        rows = query[:, :, r0 : r0 + n]
         if attention_mask is not None:
             allowed = attention_mask[:, :, r0 : r0 + n, :end]
         else:  # row i of the block (sequence index start + i) sees the keys up to its own
             allowed = torch.ones(n, end, dtype=torch.bool, device=query.device).tril_(start)
+        if lead:
+            rows = torch.cat([rows.new_zeros(b, heads, lead, rows.shape[-1]), rows], dim=2)
+            stand_in = torch.ones(lead, end, dtype=torch.bool, device=query.device).tril_(start - lead)
+            if allowed.dim() == 4:
+                stand_in = stand_in.expand(*allowed.shape[:2], lead, end)
+            allowed = torch.cat([stand_in, allowed], dim=-2)
         # one SDPA call per block: its shapes, and so its tiles and sums, are the block's own
         o = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, r0 : r0 + n],
+            rows,
             key[:, :, :end],
             value[:, :, :end],
             attn_mask=allowed,
             scale=scaling,
             enable_gqa=groups > 1,
         )
-        out[:, r0 : r0 + n] = o.transpose(1, 2)
+        out[:, r0 : r0 + n] = o[:, :, lead:].transpose(1, 2)
         start = end
     return out, None
 

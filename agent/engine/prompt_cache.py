@@ -314,7 +314,7 @@ class PromptCache:
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
-        finder = Finder(self.store, self.config.min_reuse_tokens)
+        finder = Finder(self.store, self.config.min_reuse_tokens, attention.BLOCK if self._join else 0)
         chunks = finder.chunks(prompt, plan, keys, mode)
         fetched = finder.prefetch(prompt, plan, keys, mode, chunks)
         plan_steps, lost = finder.steps(prompt, plan, keys, mode, chunks)

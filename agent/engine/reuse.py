@@ -1,14 +1,16 @@
 """What a prompt reuses, found in the store: the plan as steps of reused KV and misses.
 
-The exact prefix comes first, found segment by segment by its store keys (a key names a
-segment's bounds, its content and its whole context, so the entry under it is the KV this
-prompt's own prefill would compute there, bit for bit; the store may hold it from this process,
-from before a restart or from another process). KV of the same tokens computed as part of
-another segment (the partial last segment of a shorter prompt) has other bits and is never taken
-as exact. Then, unless the mode is ``exact``, each later chunk found by content: in the content
+The exact prefix comes first, found segment by segment by its store keys (a key names a segment's
+bounds, its content and its whole context, so the entry under it is the KV this prompt's own
+prefill would compute there, bit for bit; the store may hold it from this process, from before a
+restart or from another process). Past the last whole segment, KV of the same tokens computed in
+another prompt's segment is taken as exact only where it has this prompt's bits: the leading rows
+of an attention block that both prompts compute whole (``Finder._inside_block``), so the exact
+prefix may end at any token; never the partial last segment of a shorter prompt, whose block was
+cut short. Then, unless the mode is ``exact``, each later chunk found by content: in the content
 index (moved, or after other antecedents) or, not indexed here, by its content alias (another
-process's work). Every entry is read through ``cache.records`` with the fingerprint of the units
-it must hold: a misfiled or damaged entry is a miss.
+process's work). Every entry is read through ``cache.records`` with the fingerprint of the units it
+must hold: a misfiled or damaged entry is a miss.
 
 Reused KV comes as *parts* laid end to end, each in the frame it was stored in: the window
 (``cache.window``) places them, copying bit for bit or moving by ``R(δ)``.
@@ -50,8 +52,11 @@ class Finder:
     than this are recomputed unless the mode is ``fast``; hits that continue one another in the
     same stored prompt count as one (:func:`run_tokens`)."""
 
-    def __init__(self, store: TieredStore, min_reuse_tokens: int) -> None:
+    def __init__(self, store: TieredStore, min_reuse_tokens: int, block: int = 0) -> None:
         self.store, self.min_reuse_tokens = store, min_reuse_tokens
+        # the prefill attention's block (``agent/adapters/attention.py``) where a pass may begin
+        # at any token and still write one pass's KV; 0: the exact prefix ends at a segment edge
+        self.block = block
 
     @staticmethod
     def chunks(prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> list[PlannedChunk]:
@@ -75,15 +80,24 @@ class Finder:
         rows: list[TableRow] = []
         edge = 0
         for a, b in ctx.segments(0, n_units - 1):
-            if b != cut_back(cuts, b):  # the segment ending before the last unit is not whole
-                break
-            key = ctx.store_key(a, b, exact=True)
-            tokens = ctx.fingerprint(a, b)
-            found = records.load_kv(self.store, key, tokens) if key in self.store else None
-            if found is None or found.placed_at != int(prompt.pos_off[a]) or not fits(prompt, a, b, [found]):
-                break
-            parts.append(found)
-            rows.append(TableRow(a, b, key, 0, 0, tokens))
+            found = self._stored(prompt, ctx, a, b)
+            if found is None:
+                # not stored as this segment: the rows of the earlier prompt the radix tree
+                # matched, to the token where the match ends; then the segment's rest as a pass
+                # that began there stored it (a repair attempt of this prompt, given up)
+                inside = self._inside_block(prompt, plan, ctx, a) if plan.prefix_len > a else None
+                if inside is None:
+                    break
+                parts.extend(inside[0])
+                rows.extend(inside[1])
+                edge = inside[1][-1].end
+                if edge == b:
+                    continue
+                found = self._stored(prompt, ctx, edge, b)
+                if found is None:
+                    break
+            parts.append(found[0])
+            rows.append(found[1])
             edge = b
         # the radix tree knew a longer exact prefix than the store still holds
         lost = int(cut_back(cuts, min(plan.prefix_len, n_units - 1)) > edge)
@@ -126,6 +140,67 @@ class Finder:
             steps = self._whole_runs(prompt, steps)
         return _merge_misses(steps), lost
 
+    def _stored(self, prompt: Prompt, ctx: PromptKeys, a: int, b: int) -> tuple[ChunkKV, TableRow] | None:
+        """The exact KV of units [a, b) stored under their own key, or None. [a, b) must end at a
+        segment edge: the segment ending before the last unit is not whole, never stored so."""
+        if b != cut_back(ctx.cuts, b):
+            return None
+        key = ctx.store_key(a, b, exact=True)
+        if key not in self.store:
+            return None
+        tokens = ctx.fingerprint(a, b)
+        found = records.load_kv(self.store, key, tokens)
+        if found is None or found.placed_at != int(prompt.pos_off[a]) or not fits(prompt, a, b, [found]):
+            return None
+        return found, TableRow(a, b, key, 0, 0, tokens)
+
+    def _inside_block(
+        self, prompt: Prompt, plan: Plan, ctx: PromptKeys, edge: int
+    ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
+        """The exact prefix on from the segment edge ``edge`` to the token where the radix tree's
+        match ends (within the segment): the leading rows of an entry of an earlier prompt the tree
+        matched (the one that made the matched edge, or one that went on past it), or None. Their
+        bits are this prompt's one-pass bits when the attention block they end in was computed
+        whole in both prompts: rows of a causal block do not depend on the keys after them, only on
+        the block's shapes (and a pass that begins inside a block runs it whole,
+        ``attention.blocked_forward``). So: text only from ``edge`` to the end of that block in
+        both prompts, this prompt as long as the block, and every entry taken holding its earlier
+        prompt's tokens to the block's end (a pass of its own that stopped inside the block, before
+        moved KV, wrote other bits)."""
+        if not self.block or not plan.prefix:
+            return None
+        n_units = len(prompt.units)
+        later = ctx.cuts[ctx.cuts > edge]
+        p = min(plan.prefix_len, n_units - 1, int(later[0]) if len(later) else n_units)
+        lo = int(prompt.tok_off[edge])
+        if p <= edge or lo % self.block:
+            return None
+        hi = -(-int(prompt.tok_off[p]) // self.block) * self.block
+        u_hi = edge + hi - lo  # where the block ends, if every unit up to it is one token
+
+        def text_to_block_end(offs: np.ndarray) -> bool:
+            return len(offs) > u_hi and int(offs[u_hi]) - int(offs[edge]) == u_hi - edge
+
+        if not text_to_block_end(prompt.tok_off):
+            return None
+        deepest = plan.prefix[-1]
+        candidates = [deepest.payload] if deepest.offset == plan.prefix_len - deepest.length else []
+        tried: set[int] = set()
+        for rec in (*candidates, *plan.continuations):
+            if id(rec) in tried:
+                continue
+            tried.add(id(rec))
+            if not isinstance(rec, Record) or not text_to_block_end(rec.tok_off):
+                continue
+            if int(rec.tok_off[edge]) != lo:
+                continue
+            found = self.fetch(rec, edge, p, 0, whole_to=hi)
+            if found is None or not fits(prompt, edge, p, found[0]):
+                continue
+            if found[0][0].placed_at == int(prompt.pos_off[edge]):
+                return found
+        return None
+
     def _whole_runs(self, prompt: Prompt, steps: list[Step]) -> list[Step]:
         """Steps with each stretch of a run actually reused (a run's chunks are fetched and
         checked one by one, so one may be gone) reused only if it still holds
@@ -143,11 +218,11 @@ class Finder:
         return out
 
     def fetch(
-        self, rec: Record, a: int, b: int, shift: int
+        self, rec: Record, a: int, b: int, shift: int, whole_to: int | None = None
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
         """KV of units [a, b) of ``rec`` as parts laid end to end (each in the frame it was
         stored in: the window places them), and its rows moved by ``shift`` units; None if any
-        entry is gone."""
+        entry is gone, or (``whole_to``) holds fewer of ``rec``'s tokens than up to that token."""
         parts: list[ChunkKV] = []
         refs: list[TableRow] = []
         for row in rec.table:
@@ -158,6 +233,8 @@ class Finder:
             t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
             t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
             if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
+                return None
+            if whole_to is not None and row.token + whole_to - int(rec.tok_off[row.start]) > kv.n_tokens:
                 return None
             p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
             parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
