@@ -69,6 +69,42 @@ def test_a_prefill_cut_at_block_edges_writes_the_kv_and_logits_of_one_pass(famil
         assert same_kv(whole, cut, len(ids)), (len(ids), cuts)
 
 
+def token_cut_cases(seed: int, n_cases: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n_cases):
+        n = rng.randint(BLOCK + 3, 3 * BLOCK + 60)
+        cases.append(
+            ([rng.randrange(500) for _ in range(n)], sorted(rng.sample(range(1, n), rng.randint(1, 5))))
+        )
+    return cases
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "llama-mha", "neox-partial", "qwen2.5-vl", "qwen3-vl"])
+def test_a_prefill_cut_at_any_tokens_writes_the_kv_and_logits_of_one_pass(family: str) -> None:
+    """Every block runs whole, BLOCK rows over the keys to its end, whatever the pass computes of
+    it: passes that begin and end inside blocks write one pass's bits."""
+    adapter = load_adapter(f"tiny:{family}")
+    for ids, cuts in token_cut_cases(7, 6):
+        whole_logits, whole = prefill_cut(adapter, ids, [])
+        cut_logits, cut = prefill_cut(adapter, ids, cuts)
+        assert torch.equal(whole_logits, cut_logits), (len(ids), cuts)
+        assert same_kv(whole, cut, len(ids)), (len(ids), cuts)
+
+
+def test_the_check_catches_blocks_run_only_where_the_pass_computes_them(monkeypatch: Any) -> None:
+    """Inverse: blocks run on the pass's own rows and keys only (cut short where a pass begins
+    or the prompt ends) give other bits."""
+    adapter = load_adapter("tiny:llama-gqa")
+    monkeypatch.setattr(attention, "WHOLE_BLOCKS", False)
+    differs = 0
+    for ids, cuts in token_cut_cases(7, 6):
+        whole_logits, whole = prefill_cut(adapter, ids, [])
+        cut_logits, cut = prefill_cut(adapter, ids, cuts)
+        differs += not (torch.equal(whole_logits, cut_logits) and same_kv(whole, cut, len(ids)))
+    assert differs > 0
+
+
 def test_a_prefix_computed_in_another_prompts_pass_continues_as_one_pass() -> None:
     """The KV of a prefix taken from a longer prompt's pass, then the rest in one pass: the new
     prompt's one-pass KV and logits (what an exact hit is)."""
@@ -101,8 +137,8 @@ def place_then_prefill(
 
 
 def token_cuts(adapter: ModelAdapter) -> list[tuple[int, bool]]:
-    """For a prefix kept to every 7th token of a block, whether the rest prefilled after it gives
-    the one pass's logits and KV. Both prompts run the block the cut lies in whole."""
+    """For a prefix kept to every 7th token of a block, taken from another prompt's pass,
+    whether the rest prefilled after it gives the one pass's logits and KV."""
     rng = random.Random(3)
     first = [rng.randrange(500) for _ in range(2 * BLOCK + 40)]
     _, earlier = prefill_cut(adapter, first, [])
@@ -117,8 +153,8 @@ def token_cuts(adapter: ModelAdapter) -> list[tuple[int, bool]]:
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2.5-vl"])
 def test_a_prefix_placed_to_the_token_continues_as_one_pass(family: str) -> None:
-    """A prefix cut inside a block, its KV from another prompt's pass that ran the block whole,
-    then the rest in a pass that begins inside the block: the one pass's KV and logits."""
+    """A prefix cut inside a block, its KV from another prompt's pass, then the rest in a pass
+    that begins inside the block: the one pass's KV and logits."""
     adapter = load_adapter(f"tiny:{family}")
     assert all(same for _, same in token_cuts(adapter))
 
@@ -127,7 +163,7 @@ def test_the_check_catches_a_pass_that_runs_its_first_block_cut_short(monkeypatc
     """Inverse: a pass beginning inside a block that runs only its own rows there (other shapes
     than the one pass's block) gives other bits for some cuts."""
     adapter = load_adapter("tiny:llama-gqa")
-    monkeypatch.setattr(attention, "PAD_PARTIAL_BLOCKS", False)
+    monkeypatch.setattr(attention, "WHOLE_BLOCKS", False)
     assert not all(same for _, same in token_cuts(adapter))
 
 
@@ -182,8 +218,7 @@ def test_exact_reuse_equals_the_one_pass_full_prefill_bit_for_bit(bound: int | N
         warm = pc.prepare(prompt, mode="exact")
     finally:
         batched.bind(None)
-    # the exact prefix ends at the token: both prompts run the block holding token 700 whole
-    assert warm.usage.prefix_tokens == 700
+    assert warm.usage.prefix_tokens == 700  # the exact prefix ends at the token
     assert warm.usage.prefilled_tokens == prompt.n_tokens - warm.usage.prefix_tokens
     if stepper is not None:
         before = [b - a for b, a in stepper.passes]
@@ -202,35 +237,37 @@ def test_exact_reuse_equals_the_one_pass_full_prefill_bit_for_bit(bound: int | N
     # the segments stored from grouped passes are the grain of the next exact hit
     pc.commit(warm)
     again = pc.prepare(prompt, "", mode="exact")
-    # its last block is cut short by the prompt's end: the prefix ends at the block's edge
-    assert again.usage.prefix_tokens == (prompt.n_tokens - 1) // BLOCK * BLOCK
+    assert again.usage.prefix_tokens == prompt.n_tokens - 1  # to the token; the last one is prefilled
     assert torch.equal(again.logits, one.logits)
 
 
-def test_the_exact_prefix_ends_at_the_token_only_where_both_prompts_run_its_block_whole() -> None:
-    """Exact reuse to the token: where the earlier prompt, or this one, ends inside the block the
+def test_the_exact_prefix_ends_at_the_token_wherever_the_prompts_part() -> None:
+    """Exact reuse to the token: whether the earlier prompt or this one ends inside the block the
     match ends in, or the earlier prompt's pass stopped there (its exact part ended before moved
-    KV), the prefix ends at the block's edge. Every answer is the one-pass full prefill's."""
+    KV), the prefix ends where the prompts part, and the answer is the one-pass full prefill's."""
     adapter = load_adapter("tiny:llama-gqa")
     adapter.tokenizer = ByteTokenizer()
     rng = random.Random(6)
     shared = [rng.randrange(500) for _ in range(700)]
-    block_edge = 700 // BLOCK * BLOCK  # 640; the block [640, 768)
 
     def tail(n: int) -> list[int]:
         return [rng.randrange(500) for _ in range(n)]
 
-    def served(first: list[int], second: list[int], first_mode: str = "exact") -> int:
-        pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
-        pc.commit(pc.prepare(text_prompt(pc, first), mode=first_mode))  # type: ignore[arg-type]
+    def served(pc: PromptCache, second: list[int]) -> int:
         prompt = text_prompt(pc, second)
         warm = pc.prepare(prompt, mode="exact")
         assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
         return warm.usage.prefix_tokens
 
-    assert served(shared + tail(100), shared + tail(200)) == 700  # both run [640, 768) whole
-    assert served(shared + tail(20), shared + tail(200)) == block_edge  # the earlier one ends inside
-    assert served(shared + tail(100), shared + tail(30)) == block_edge  # this one ends inside
+    def after(first: list[int]) -> PromptCache:
+        pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+        pc.commit(pc.prepare(text_prompt(pc, first), mode="exact"))
+        return pc
+
+    assert served(after(shared + tail(100)), shared + tail(200)) == 700  # both go on past the block
+    assert served(after(shared + tail(20)), shared + tail(200)) == 700  # the earlier one ends inside it
+    assert served(after(shared + tail(100)), shared + tail(30)) == 700  # this one ends inside it
+    assert served(after(shared), shared + tail(200)) == 700  # the earlier prompt is the prefix, whole
     # the earlier prompt's exact part stops at 720, where content it had seen before follows
     # (reused at a moved place): its pass over [640, 720) ended inside the block
     moved = tail(300)
@@ -240,15 +277,11 @@ def test_the_exact_prefix_ends_at_the_token_only_where_both_prompts_run_its_bloc
         return build_prompt(adapter, [TextPiece(tuple(x), False) for x in parts], pc.image_unit)
 
     pc.commit(pc.prepare(pieces(moved, tail(5)), mode="exact"))
-    earlier = pieces(shared + tail(20), moved, tail(5))
-    first = pc.prepare(earlier, mode="fast")
+    first = pc.prepare(pieces(shared + tail(20), moved, tail(5)), mode="fast")
     assert first.usage.relocated_tokens > 0
     assert first.exact_units == 720
     pc.commit(first)
-    prompt = text_prompt(pc, shared + tail(200))
-    warm = pc.prepare(prompt, mode="exact")
-    assert warm.usage.prefix_tokens == block_edge
-    assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
+    assert served(pc, shared + tail(200)) == 700
 
 
 def test_exact_reuse_after_an_image_equals_the_full_prefill() -> None:

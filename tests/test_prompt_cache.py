@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from agent.adapters import attention
 from agent.adapters.base import ImageInput
 from agent.adapters.loading import load_adapter
 from agent.engine import reuse
@@ -82,9 +83,8 @@ def test_exact_prefix_reuse_is_bit_identical_to_a_full_prefill(llama: Any) -> No
     assert cold.usage.cached_tokens == 0
     assert cold.usage.prefilled_tokens == prompt.n_tokens
     warm = pc.prepare(prompt, mode="exact")
-    block = pc.config.block_tokens
-    # cut back to the last segment edge before the last token; only that segment is prefilled
-    assert warm.usage.prefix_tokens == (prompt.n_tokens - 1) // block * block
+    # reused to the token before the last (each prompt's last token is prefilled for its logits)
+    assert warm.usage.prefix_tokens == prompt.n_tokens - 1
     assert warm.usage.prefilled_tokens == prompt.n_tokens - warm.usage.prefix_tokens
     fresh = pc.prepare(prompt, "a fresh salt")  # nothing to reuse: the full prefill
     assert fresh.usage.cached_tokens == 0
@@ -138,7 +138,8 @@ def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(
             StoreConfig(host_bytes=64 << 20, disk_bytes=64 << 20, disk_path=tmp_path, write_through=True)
         )
         pc = PromptCache(llama, store, CONFIG)
-        assert pc.namespace("").numerics == numerics(llama.device, llama.attention)
+        assert pc.namespace("").numerics == numerics(llama.device, attention.numerics_name(llama.attention))
+        assert attention.LAYOUT in pc.namespace("").numerics  # how the prefill blocks were run
         assert f"threads={threads}," in pc.namespace("").numerics
         return pc
 
@@ -150,6 +151,7 @@ def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(
     assert other.usage.cached_tokens == 0
     assert other.usage.prefilled_tokens == prompt.n_tokens
     same = process(2).prepare(prompt, mode="exact")
+    # whole segments, by their keys (to the token needs the radix tree of the process that saw it)
     assert same.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
 
 
@@ -395,7 +397,7 @@ def test_lost_store_entries_are_prefilled_again(llama: Any) -> None:
     assert warm.usage.cached_tokens == 0
     torch.testing.assert_close(warm.logits, full_prefill_logits(llama, prompt), atol=1e-4, rtol=1e-4)
     pc.commit(warm)
-    assert pc.prepare(prompt).usage.prefix_tokens == (prompt.n_tokens - 1) // 128 * 128
+    assert pc.prepare(prompt).usage.prefix_tokens == prompt.n_tokens - 1
 
 
 def test_an_unknown_reuse_mode_is_refused(llama: Any) -> None:
@@ -539,21 +541,23 @@ def test_an_unknown_rotation_kernel_is_refused_at_construction() -> None:
 
 
 def test_a_long_conversation_stays_bit_identical_turn_after_turn(llama: Any) -> None:
-    """Each turn's exact prefix includes segments prefilled on top of earlier reuse, and tokens
-    that a shorter prompt computed in its partial last segment (other bits): never taken."""
+    """Each turn's exact prefix includes segments prefilled on top of earlier reuse, and the
+    tokens a shorter prompt computed in its partial last segment, to where the prompts part (the
+    prefill runs every attention block whole, so they have this prompt's bits)."""
     pc = make_cache(llama)
     messages = [Message("system", (f"Sys\n{DOC}",))]
-    before = 0  # the last prompt's tokens
+    before = np.zeros(0, np.int64)  # the last prompt's units
     for turn in range(4):
         messages = [*messages, Message("user", (f"question {turn} " + "word " * 40,))]
         prompt = prompt_of(pc, messages)
         warm, fresh = pc.prepare(prompt, mode="exact"), pc.prepare(prompt, f"reference {turn}", mode="exact")
-        block = pc.config.block_tokens
-        assert warm.usage.prefix_tokens == before // block * block  # all whole segments seen before
+        m = min(len(before), prompt.n_tokens)
+        parted = np.flatnonzero(before[:m] != prompt.units[:m])
+        assert warm.usage.prefix_tokens == (int(parted[0]) if parted.size else m)  # all seen before
         assert torch.equal(warm.logits, fresh.logits)
         for (k1, v1), (k2, v2) in zip(layer_kv(warm.cache), layer_kv(fresh.cache), strict=True):
             assert torch.equal(k1, k2)
             assert torch.equal(v1, v2)
         pc.commit(warm)
-        before = prompt.n_tokens
+        before = prompt.units
         messages = [*messages, Message("assistant", (f"answer {turn} " + "ok " * 30,))]

@@ -6,20 +6,26 @@ attention without copying the cache.
 cache hit is not exact. SDPA's CPU kernel over a whole pass does not: it tiles the queries and the
 keys by sizes chosen from how many the pass holds (keys: all of them below 512, else 512 at a time)
 and takes each query's softmax tile by tile, so a row's sums depend on where the pass began and
-ended. :func:`blocked_forward` cuts the pass's queries into fixed blocks of ``BLOCK`` rows, aligned
-to multiples of ``BLOCK`` in the sequence (and to the pass's own start), and runs SDPA once per
-block, over exactly the keys up to the block's end. A row's block, and so every shape, tile and sum
-it goes through, is the same whether the pass that computed it began at 0 or at any multiple of
-``BLOCK`` up to the row's own block, and whether the prompt goes on after it or not. A pass that
-begins inside a block (after a prefix placed to the token) runs that block whole, the rows before
-its start as stand-ins whose results are dropped, so its rows too go through their one-pass shapes.
-With the row-wise layers (norms, projections, MLP: products whose rows do not mix, on at least 12
-rows, see ``decoder.PASS_MIN_ROWS``), a prefill cut at multiples of ``BLOCK`` tokens therefore
-writes the KV and logits of one pass (``tests/test_cut_invariance.py``). What it costs against SDPA
-over the whole pass: ``kamera bench prefill-tax`` (``docs/prefill_tax.md``).
+ended. :func:`blocked_forward` cuts the sequence into fixed blocks of ``BLOCK`` rows aligned to
+multiples of ``BLOCK`` and runs SDPA once per block of the pass, always on the whole block:
+``BLOCK`` query rows over the keys up to the block's end. Rows of the block the pass does not
+compute (before its start, or after the prompt's last token) are stand-ins: zero queries, and zero
+keys and values past the last token, which the causal mask hides from every real row; their
+results are dropped. A row's result depends on the block's shapes and on the keys it sees, not on
+the other rows' values nor on the keys masked from it (the masked scores are exactly zero weights),
+so every row goes through the same shapes, tiles and sums in every pass and every prompt that
+holds its tokens and those before it. With the row-wise layers (norms, projections, MLP: products
+whose rows do not mix, on at least 12 rows, see ``decoder.PASS_MIN_ROWS``), a prefill cut at any
+tokens therefore writes the KV and logits of one pass, and the KV of a prompt's first tokens is
+the KV any longer prompt that begins with them computes (``tests/test_cut_invariance.py``): exact
+reuse may end at any token. What it costs against SDPA over the whole pass: ``kamera bench
+prefill-tax`` (``docs/prefill_tax.md``). ``LAYOUT`` names this way of running the blocks in the
+numerics of every cache key (``ModelAdapter.namespace``), so KV run another way is never taken as
+exact.
 
-Decode steps (one query row), masks given as additive numbers (selective recompute), sliding
-windows, soft caps, attention sinks and non-causal layers (vision towers) go to SDPA whole.
+Decode steps (one query row outside a prefill pass, :func:`set_prefill`), masks given as additive
+numbers (selective recompute), sliding windows, soft caps, attention sinks and non-causal layers
+(vision towers) go to SDPA whole.
 
 **Grouped heads.** transformers' ``sdpa`` attention uses SDPA's native grouped-query path only
 when there is no attention mask; with one (a few new tokens over a cached window always have one)
@@ -36,6 +42,7 @@ Not here: anything about which tokens attend where (the model's own mask).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -46,7 +53,22 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "kamera_blocked"
 BLOCK = 128  # query rows per block; a prefill may be cut at any multiple of it
 _PLAIN_KWARGS = ("position_bias", "softcap", "sliding_window", "s_aux")
-PAD_PARTIAL_BLOCKS = True  # run a block that a pass begins inside whole (False only to show why)
+WHOLE_BLOCKS = True  # every block runs whole, however a pass cuts it (False only to show why)
+LAYOUT = f"blocks-of-{BLOCK}-whole"  # part of the numerics: how the blocks were run
+
+
+_pass = threading.local()
+
+
+def set_prefill(on: bool) -> None:
+    """Whether this thread runs a prefill pass now: a pass of one token is then a block like any
+    other (a decode step's one row goes to SDPA whole)."""
+    _pass.prefill = on
+
+
+def numerics_name(implementation: str) -> str:
+    """An attention implementation as the numerics name it: this module's with its ``LAYOUT``."""
+    return f"{implementation}/{LAYOUT}" if implementation == NAME else implementation
 
 
 def gqa_sdpa_forward(
@@ -104,7 +126,7 @@ def blocked_forward(
     b, heads, q_len, _ = query.shape
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if (
-        q_len == 1
+        (q_len == 1 and not getattr(_pass, "prefill", False))
         or not causal
         or dropout
         or query.device.type != "cpu"
@@ -123,34 +145,41 @@ def blocked_forward(
     out = query.new_empty(b, q_len, heads, v_dim)
     start = offset
     while start < k_len:
-        end = min((start // BLOCK + 1) * BLOCK, k_len)
+        lo = start // BLOCK * BLOCK if WHOLE_BLOCKS else start
+        end = min(start // BLOCK * BLOCK + BLOCK, k_len)
         n, r0 = end - start, start - offset
-        # a pass that begins inside a block (after a prefix placed to the token) runs the block
-        # whole: the rows before its start are stand-ins, so the block's shapes, tiles and sums
-        # are those of a pass that began at the block's edge (a row's result does not depend on
-        # the values of the other rows, only on the shapes; the stand-ins are dropped)
-        lead = start % BLOCK if PAD_PARTIAL_BLOCKS else 0
+        # every block runs whole, BLOCK rows over the keys up to its end, wherever the pass began
+        # or the prompt ends: rows before the pass's start and after the last key are stand-ins
+        # (zero queries; zero keys and values that no real row sees), dropped after. A row's
+        # result depends on the block's shapes and on the keys it sees, not on the other rows or
+        # the keys masked from it, so it is the same in every pass and every prompt that holds
+        # its tokens and those before it (module docstring)
+        lead, trail = start - lo, (lo + BLOCK - end) if WHOLE_BLOCKS else 0
         rows = query[:, :, r0 : r0 + n]
+        keys, values = key[:, :, :end], value[:, :, :end]
         if attention_mask is not None:
             allowed = attention_mask[:, :, r0 : r0 + n, :end]
         else:  # row i of the block (sequence index start + i) sees the keys up to its own
             allowed = torch.ones(n, end, dtype=torch.bool, device=query.device).tril_(start)
-        if lead:
-            rows = torch.cat([rows.new_zeros(b, heads, lead, rows.shape[-1]), rows], dim=2)
-            stand_in = torch.ones(lead, end, dtype=torch.bool, device=query.device).tril_(start - lead)
+        if lead or trail:
+            width = end + trail
+            d_q = rows.shape[-1]
+            stand_ins = rows.new_zeros(b, heads, lead, d_q), rows.new_zeros(b, heads, trail, d_q)
+            rows = torch.cat([stand_ins[0], rows, stand_ins[1]], dim=2)
+            if trail:
+                keys = torch.cat([keys, keys.new_zeros(b, kv_heads, trail, keys.shape[-1])], dim=2)
+                values = torch.cat([values, values.new_zeros(b, kv_heads, trail, v_dim)], dim=2)
+            whole = torch.ones(lead + n + trail, width, dtype=torch.bool, device=query.device).tril_(lo)
             if allowed.dim() == 4:
-                stand_in = stand_in.expand(*allowed.shape[:2], lead, end)
-            allowed = torch.cat([stand_in, allowed], dim=-2)
+                whole = whole.expand(*allowed.shape[:2], *whole.shape).clone()
+            whole[..., lead : lead + n, :end] = allowed
+            whole[..., lead : lead + n, end:] = False
+            allowed = whole
         # one SDPA call per block: its shapes, and so its tiles and sums, are the block's own
         o = torch.nn.functional.scaled_dot_product_attention(
-            rows,
-            key[:, :, :end],
-            value[:, :, :end],
-            attn_mask=allowed,
-            scale=scaling,
-            enable_gqa=groups > 1,
+            rows, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=groups > 1
         )
-        out[:, r0 : r0 + n] = o[:, :, lead:].transpose(1, 2)
+        out[:, r0 : r0 + n] = o[:, :, lead : lead + n].transpose(1, 2)
         start = end
     return out, None
 

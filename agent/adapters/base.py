@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from agent.adapters import attention
 from cache.arena import KVArena
 from cache.keys import Namespace
 from cache.layout import ChunkKV, Family
@@ -269,7 +270,7 @@ class ModelAdapter(ABC):
             model=self.info.fingerprint,
             dtype=str(self.info.dtype).removeprefix("torch."),
             tenant_salt=tenant_salt,
-            numerics=numerics(self.device, self.attention),
+            numerics=numerics(self.device, attention.numerics_name(self.attention)),
         )
 
     @abstractmethod

@@ -308,6 +308,7 @@ class DecoderAdapter(ModelAdapter):
         then, under a scheduler, a pause where other requests' steps may run (``pause``). A
         ``prefill`` pass runs its products on at least ``PASS_MIN_ROWS`` rows."""
         _pass.min_rows = PASS_MIN_ROWS if prefill else 0
+        attention.set_prefill(prefill)
         try:
             out = self.base(
                 inputs_embeds=embeds,
@@ -320,6 +321,7 @@ class DecoderAdapter(ModelAdapter):
             logits = self.lm_head(hidden)[0].float()
         finally:
             _pass.min_rows = 0
+            attention.set_prefill(False)
         if pause:
             batched.pause()
         return logits

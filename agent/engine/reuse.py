@@ -3,14 +3,14 @@
 The exact prefix comes first, found segment by segment by its store keys (a key names a segment's
 bounds, its content and its whole context, so the entry under it is the KV this prompt's own
 prefill would compute there, bit for bit; the store may hold it from this process, from before a
-restart or from another process). Past the last whole segment, KV of the same tokens computed in
-another prompt's segment is taken as exact only where it has this prompt's bits: the leading rows
-of an attention block that both prompts compute whole (``Finder._inside_block``), so the exact
-prefix may end at any token; never the partial last segment of a shorter prompt, whose block was
-cut short. Then, unless the mode is ``exact``, each later chunk found by content: in the content
-index (moved, or after other antecedents) or, not indexed here, by its content alias (another
-process's work). Every entry is read through ``cache.records`` with the fingerprint of the units it
-must hold: a misfiled or damaged entry is a miss.
+restart or from another process). Where the next segment is not stored as such, the exact prefix
+goes on to the token where the radix tree's match ends, taken from the entries of the earlier
+prompt it matched: the prefill attention runs every block whole however a pass cuts it, so the
+first tokens of a prompt have the KV of any prompt that begins with them
+(``agent/adapters/attention.py``). Then, unless the mode is ``exact``, each later chunk found by
+content: in the content index (moved, or after other antecedents) or, not indexed here, by its
+content alias (another process's work). Every entry is read through ``cache.records`` with the
+fingerprint of the units it must hold: a misfiled or damaged entry is a miss.
 
 Reused KV comes as *parts* laid end to end, each in the frame it was stored in: the window
 (``cache.window``) places them, copying bit for bit or moving by ``R(δ)``.
@@ -158,43 +158,26 @@ class Finder:
         self, prompt: Prompt, plan: Plan, ctx: PromptKeys, edge: int
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
         """The exact prefix on from the segment edge ``edge`` to the token where the radix tree's
-        match ends (within the segment): the leading rows of an entry of an earlier prompt the tree
-        matched (the one that made the matched edge, or one that went on past it), or None. Their
-        bits are this prompt's one-pass bits when the attention block they end in was computed
-        whole in both prompts: rows of a causal block do not depend on the keys after them, only on
-        the block's shapes (and a pass that begins inside a block runs it whole,
-        ``attention.blocked_forward``). So: text only from ``edge`` to the end of that block in
-        both prompts, this prompt as long as the block, and every entry taken holding its earlier
-        prompt's tokens to the block's end (a pass of its own that stopped inside the block, before
-        moved KV, wrote other bits)."""
+        match ends (at most to the next edge): the leading rows of an entry of an earlier prompt
+        the tree matched (the one that made the matched edge, or one that went on past it), or
+        None. The prefill attention runs every block whole however a pass cuts it
+        (``attention.blocked_forward``), so the KV of a prompt's first tokens is the KV of any
+        prompt that begins with them, to the token. Text only: an image is reused whole."""
         if not self.block or not plan.prefix:
             return None
         n_units = len(prompt.units)
         later = ctx.cuts[ctx.cuts > edge]
         p = min(plan.prefix_len, n_units - 1, int(later[0]) if len(later) else n_units)
-        lo = int(prompt.tok_off[edge])
-        if p <= edge or lo % self.block:
-            return None
-        hi = -(-int(prompt.tok_off[p]) // self.block) * self.block
-        u_hi = edge + hi - lo  # where the block ends, if every unit up to it is one token
-
-        def text_to_block_end(offs: np.ndarray) -> bool:
-            return len(offs) > u_hi and int(offs[u_hi]) - int(offs[edge]) == u_hi - edge
-
-        if not text_to_block_end(prompt.tok_off):
+        if p <= edge or prompt.has_image(edge, p):
             return None
         deepest = plan.prefix[-1]
         candidates = [deepest.payload] if deepest.offset == plan.prefix_len - deepest.length else []
         tried: set[int] = set()
         for rec in (*candidates, *plan.continuations):
-            if id(rec) in tried:
+            if id(rec) in tried or not isinstance(rec, Record) or len(rec.tok_off) <= p:
                 continue
             tried.add(id(rec))
-            if not isinstance(rec, Record) or not text_to_block_end(rec.tok_off):
-                continue
-            if int(rec.tok_off[edge]) != lo:
-                continue
-            found = self.fetch(rec, edge, p, 0, whole_to=hi)
+            found = self.fetch(rec, edge, p, 0)
             if found is None or not fits(prompt, edge, p, found[0]):
                 continue
             if found[0][0].placed_at == int(prompt.pos_off[edge]):
@@ -218,11 +201,11 @@ class Finder:
         return out
 
     def fetch(
-        self, rec: Record, a: int, b: int, shift: int, whole_to: int | None = None
+        self, rec: Record, a: int, b: int, shift: int
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
         """KV of units [a, b) of ``rec`` as parts laid end to end (each in the frame it was
         stored in: the window places them), and its rows moved by ``shift`` units; None if any
-        entry is gone, or (``whole_to``) holds fewer of ``rec``'s tokens than up to that token."""
+        entry is gone."""
         parts: list[ChunkKV] = []
         refs: list[TableRow] = []
         for row in rec.table:
@@ -233,8 +216,6 @@ class Finder:
             t0 = row.token + int(rec.tok_off[lo] - rec.tok_off[row.start])
             t1 = t0 + int(rec.tok_off[hi] - rec.tok_off[lo])
             if kv is None or t1 > kv.n_tokens or (parts and lo != refs[-1].end - shift):
-                return None
-            if whole_to is not None and row.token + whole_to - int(rec.tok_off[row.start]) > kv.n_tokens:
                 return None
             p0 = row.position + int(rec.pos_off[lo] - rec.pos_off[row.start])
             parts.append(kv.sliced(t0, t1, p0, int(rec.pos_off[hi] - rec.pos_off[lo])))
