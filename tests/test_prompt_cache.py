@@ -24,7 +24,7 @@ from agent.engine.prompt_cache import Prompt, PromptCache, PromptCacheConfig, bu
 from agent.engine.reuse import Finder, follow_runs, run_starts, run_tokens
 from cache.cdc import CDCConfig
 from cache.planner import Plan, PlannedChunk, PlannerConfig
-from cache.store import StoreConfig, TieredStore
+from cache.store import Entry, StoreConfig, TieredStore
 
 DOC = " ".join(f"line {i} says {i * i}." for i in range(60))
 CONFIG = PromptCacheConfig(planner=PlannerConfig(cdc=CDCConfig(min_size=8, avg_size=32, max_size=128)))
@@ -119,9 +119,49 @@ def test_the_exact_prefix_is_found_by_its_keys_without_the_indexes(llama: Any) -
     pc.commit(pc.prepare(prompt))
     later = PromptCache(llama, pc.store, CONFIG)  # a restarted server, or a replica, on the same store
     warm = later.prepare(prompt, mode="exact")
-    assert warm.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
+    # whole segments by their keys, then the last one to the token by the pointer left after them
+    assert warm.usage.prefix_tokens == prompt.n_tokens - 1
     assert torch.equal(warm.logits, later.prepare(prompt, "reference").logits)
     assert later.prepare(prompt, "another tenant").usage.cached_tokens == 0
+
+
+def test_another_process_finds_the_exact_prefix_to_the_token_by_its_pointer(llama: Any) -> None:
+    """Two prompts that part inside a segment: a process that never saw the first (no radix tree)
+    reuses it to where they part, by the pointer the first left after the content before the
+    segment; a pointer whose tokens or row do not check out is a miss, and the prefix ends at the
+    last whole segment. Every answer is the full prefill's."""
+    from agent.engine.reuse import after_key
+
+    pc = make_cache(llama)
+    first = prompt_of(pc, chat("Pointer", "What is the first entry? " + "Say it. " * 20))
+    pc.commit(pc.prepare(first))
+    second = prompt_of(pc, chat("Pointer", "What is the first entry? " + "Tell me. " * 20))
+    parted = int(np.flatnonzero(first.units[: second.n_tokens] != second.units[: first.n_tokens])[0])
+    block = CONFIG.block_tokens
+    assert parted % block  # inside a segment
+
+    def served() -> int:
+        later = PromptCache(llama, pc.store, CONFIG)  # a replica, or the server restarted
+        warm = later.prepare(second, mode="exact")
+        assert torch.equal(warm.logits, later.prepare(second, "reference").logits)
+        return warm.usage.prefix_tokens
+
+    assert served() == parted
+    ctx = PromptKeys(first, pc.planner("").namespace, first.cuts(block))
+    key = after_key(ctx, parted // block * block)
+    good = pc.store.get(key)
+    assert good is not None
+    ids = list(good.meta["ids"])
+    ids[1] += 1  # tokens the row does not hold
+    pc.store.put(key, Entry({}, {"key": good.meta["key"], "ids": ids}))
+    assert served() == parted // block * block
+    pc.store.put(key, Entry({}, {"key": "gone/exact", "ids": list(good.meta["ids"])}))  # another row
+    assert served() == parted // block * block
+    pc.store.put(key, Entry({}, {"ids": "many"}))  # not a pointer
+    assert served() == parted // block * block
+    pc.store.put(key, good)
+    pc.store.delete(str(good.meta["key"]))  # the row itself evicted
+    assert served() == parted // block * block
 
 
 def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(
@@ -151,8 +191,7 @@ def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(
     assert other.usage.cached_tokens == 0
     assert other.usage.prefilled_tokens == prompt.n_tokens
     same = process(2).prepare(prompt, mode="exact")
-    # whole segments, by their keys (to the token needs the radix tree of the process that saw it)
-    assert same.usage.prefix_tokens == (prompt.n_tokens - 1) // CONFIG.block_tokens * CONFIG.block_tokens
+    assert same.usage.prefix_tokens == prompt.n_tokens - 1  # by keys and pointers on disk
 
 
 def test_moved_content_is_found_by_its_alias_without_the_indexes(llama: Any) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.adapters import attention
 from bench.store_share import Conversation, Server, load_conversations, measure, parser
 
 SYSTEM = " ".join(f"Rule {i}: a crate of kind {i % 5} ships on day {(i * 7) % 11}." for i in range(24))
@@ -69,10 +68,7 @@ def test_shared_directory_keeps_one_process_reuse(tmp_path: Path) -> None:
         assert row["equal_to_full_prefill"] == row["requests"]
         assert row["directories_clean"], row["problems"]
         assert row["host_misfiled"] + row["disk_misfiled"] == 0
-    # one process also continues an exact prefix inside a segment's block from its own radix
-    # tree (to the token, ``Finder._inside_block``), which the other process never saw: at most
-    # a block's tokens less one per request; every whole segment is found across processes
-    assert one["cached_tokens"] - shared["cached_tokens"] <= (attention.BLOCK - 1) * shared["requests"]
+    assert shared["reused_share"] >= one["reused_share"]
     assert shared["reused_share"] > separate["reused_share"]
     assert shared["disk_hits"] > 0
     assert shared["lost_entries"] == 0

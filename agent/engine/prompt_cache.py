@@ -81,7 +81,7 @@ from agent.engine.prompt import (
     passes,
     split_pass,
 )
-from agent.engine.reuse import Finder
+from agent.engine.reuse import Finder, after_key
 from agent.modes import (
     DEFAULT_MODE,
     REPAIR_MARGIN,
@@ -314,7 +314,7 @@ class PromptCache:
         encoder_before = encoder_calls(self.adapter)
         plan = planner.plan(prompt.units, prompt.piece_unit.tolist())
         keys = PromptKeys(prompt, planner.namespace, prompt.cuts(self.config.block_tokens))
-        finder = Finder(self.store, self.config.min_reuse_tokens, attention.BLOCK if self._join else 0)
+        finder = Finder(self.store, self.config.min_reuse_tokens, to_the_token=self._join)
         chunks = finder.chunks(prompt, plan, keys, mode)
         fetched = finder.prefetch(prompt, plan, keys, mode, chunks)
         plan_steps, lost = finder.steps(prompt, plan, keys, mode, chunks)
@@ -566,6 +566,7 @@ class PromptCache:
             prompt.units if refused_at is None else None,  # runs are followed only where all is kept
         )
         written += self._write_aliases(prepared, record)
+        written += self._write_pointers(prepared)
         # the index points each chunk at this prompt, where it sits beside its neighbours now,
         # unless the store refused some of its KV: then chunks already indexed keep their place,
         # and the radix tree learns the exact prefix only as far as the store holds it
@@ -577,6 +578,30 @@ class PromptCache:
         if excess > 0:
             self.radix.evict(excess)
         prepared.rows = []  # the tensors now live in the store (or were refused)
+        return written
+
+    def _write_pointers(self, prepared: Prepared) -> int:
+        """For each exact row of text stored now, a pointer after the content before it
+        (``reuse.after_key``): where a prompt that parts from this one inside the row finds its
+        leading tokens, in this process or another, after a restart too. A pointer to a longer
+        row that is still stored is kept."""
+        if not self._join:
+            return 0
+        prompt = prepared.prompt
+        ctx = PromptKeys(prompt, prepared.planner.namespace, prompt.cuts(self.config.block_tokens))
+        written = 0
+        for row, kv in prepared.rows:
+            if kv is None or row.end > prepared.exact_units or prompt.has_image(row.start, row.end):
+                continue
+            if row.key not in self.store:  # refused
+                continue
+            key = after_key(ctx, row.start)
+            old = self.store.get(key)
+            longer = old is not None and len(old.meta.get("ids", ())) >= row.end - row.start
+            if longer and str(old.meta.get("key")) in self.store:  # type: ignore[union-attr]
+                continue
+            meta = {"key": row.key, "ids": prompt.units[row.start : row.end].tolist()}
+            written += records.put(self.store, key, Entry({}, meta))
         return written
 
     def _write_aliases(self, prepared: Prepared, record: Record) -> int:

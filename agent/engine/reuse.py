@@ -32,6 +32,7 @@ from agent.engine.prompt import (
     fits,
 )
 from cache import records
+from cache.keys import chain_key, fingerprint, span_key
 from cache.layout import ChunkKV
 from cache.planner import Plan, PlannedChunk
 from cache.store import TieredStore, record_key
@@ -52,11 +53,12 @@ class Finder:
     than this are recomputed unless the mode is ``fast``; hits that continue one another in the
     same stored prompt count as one (:func:`run_tokens`)."""
 
-    def __init__(self, store: TieredStore, min_reuse_tokens: int, block: int = 0) -> None:
+    def __init__(self, store: TieredStore, min_reuse_tokens: int, to_the_token: bool = False) -> None:
         self.store, self.min_reuse_tokens = store, min_reuse_tokens
-        # the prefill attention's block (``agent/adapters/attention.py``) where a pass may begin
-        # at any token and still write one pass's KV; 0: the exact prefix ends at a segment edge
-        self.block = block
+        # whether a prompt's first tokens have the KV of any prompt that begins with them (the
+        # prefill attention runs every block whole: ``agent/adapters/attention.py``), so the exact
+        # prefix may end at any token; False: at a segment edge (a model not ``cut_invariant``)
+        self.to_the_token = to_the_token
 
     @staticmethod
     def chunks(prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> list[PlannedChunk]:
@@ -79,26 +81,25 @@ class Finder:
         parts: list[ChunkKV] = []
         rows: list[TableRow] = []
         edge = 0
-        for a, b in ctx.segments(0, n_units - 1):
-            found = self._stored(prompt, ctx, a, b)
-            if found is None:
-                # not stored as this segment: the rows of the earlier prompt the radix tree
-                # matched, to the token where the match ends; then the segment's rest as a pass
-                # that began there stored it (a repair attempt of this prompt, given up)
-                inside = self._inside_block(prompt, plan, ctx, a) if plan.prefix_len > a else None
-                if inside is None:
-                    break
-                parts.extend(inside[0])
-                rows.extend(inside[1])
-                edge = inside[1][-1].end
-                if edge == b:
-                    continue
+        for _, b in ctx.segments(0, n_units - 1):
+            # the segment under its own key; else, to the token, the rows of an earlier prompt
+            # that held [0, edge) (this process's radix tree, or the pointer any process left
+            # after that context), then the rest as a pass that began there stored it
+            while edge < b:
                 found = self._stored(prompt, ctx, edge, b)
-                if found is None:
+                if found is not None:
+                    parts.append(found[0])
+                    rows.append(found[1])
+                    edge = b
                     break
-            parts.append(found[0])
-            rows.append(found[1])
-            edge = b
+                more = self._inside_block(prompt, plan, ctx, edge) or self._after(prompt, ctx, edge, b)
+                if more is None:
+                    break
+                parts.extend(more[0])
+                rows.extend(more[1])
+                edge = more[1][-1].end
+            if edge < b:
+                break
         # the radix tree knew a longer exact prefix than the store still holds
         lost = int(cut_back(cuts, min(plan.prefix_len, n_units - 1)) > edge)
         steps: list[Step] = []
@@ -157,13 +158,13 @@ class Finder:
     def _inside_block(
         self, prompt: Prompt, plan: Plan, ctx: PromptKeys, edge: int
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
-        """The exact prefix on from the segment edge ``edge`` to the token where the radix tree's
-        match ends (at most to the next edge): the leading rows of an entry of an earlier prompt
+        """The exact prefix on from unit ``edge`` to the token where the radix tree's match ends
+        (at most to the next segment edge): the leading rows of an entry of an earlier prompt
         the tree matched (the one that made the matched edge, or one that went on past it), or
         None. The prefill attention runs every block whole however a pass cuts it
         (``attention.blocked_forward``), so the KV of a prompt's first tokens is the KV of any
         prompt that begins with them, to the token. Text only: an image is reused whole."""
-        if not self.block or not plan.prefix:
+        if not self.to_the_token or not plan.prefix:
             return None
         n_units = len(prompt.units)
         later = ctx.cuts[ctx.cuts > edge]
@@ -183,6 +184,40 @@ class Finder:
             if found[0][0].placed_at == int(prompt.pos_off[edge]):
                 return found
         return None
+
+    def _after(
+        self, prompt: Prompt, ctx: PromptKeys, edge: int, b: int
+    ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
+        """The exact prefix on from unit ``edge`` (at most to ``b``, never the last unit) by the
+        pointer a prompt that held the same units [0, edge) left at commit (:func:`after_key`,
+        any process): its exact row of text from ``edge``, as far as the two prompts' tokens
+        agree. The row's key is checked to be the one this prompt's context and the pointer's
+        tokens make, and its entry to hold those tokens, so a stale or misfiled pointer is a
+        miss; None. Text only."""
+        if not self.to_the_token or edge >= len(prompt.units) - 1:
+            return None
+        entry = self.store.get(after_key(ctx, edge))
+        if entry is None:
+            return None
+        try:
+            key, ids = str(entry.meta["key"]), np.asarray(entry.meta["ids"], np.int64)
+        except (KeyError, TypeError, ValueError):
+            return None
+        stop = min(b, len(prompt.units) - 1, edge + len(ids))
+        if ids.ndim != 1 or stop <= edge or prompt.has_image(edge, stop):
+            return None
+        ours = prompt.units[edge:stop]
+        parted = np.flatnonzero(ids[: len(ours)] != ours)
+        n = int(parted[0]) if parted.size else len(ours)
+        if n == 0 or key != exact_key(ctx, edge, ids):
+            return None
+        kv = records.load_kv(self.store, key, fingerprint([ids]), len(ids))
+        if kv is None or kv.placed_at != int(prompt.pos_off[edge]):
+            return None
+        part = kv.sliced(0, n, 0, int(prompt.pos_off[edge + n] - prompt.pos_off[edge]))
+        if not fits(prompt, edge, edge + n, [part]):
+            return None
+        return [part], (TableRow(edge, edge + n, key, 0, 0, fingerprint([ids])),)
 
     def _whole_runs(self, prompt: Prompt, steps: list[Step]) -> list[Step]:
         """Steps with each stretch of a run actually reused (a run's chunks are fetched and
@@ -368,3 +403,16 @@ def _merge_misses(steps: list[Step]) -> list[Step]:
         else:
             out.append(st)
     return out
+
+
+def after_key(ctx: PromptKeys, a: int) -> str:
+    """Where a prompt leaves a pointer to its exact row of text that starts at unit ``a``: a key
+    of its content before ``a`` (``PromptKeys.context``), so any prompt that holds the same units
+    [0, a) finds it."""
+    context = ctx.context(a) or span_key(ctx.namespace, [])  # [0, 0): the namespace's own
+    return record_key(context.hex, "after")
+
+
+def exact_key(ctx: PromptKeys, a: int, ids: np.ndarray) -> str:
+    """The store key of the exact KV of text ``ids`` right after this prompt's units [0, a)."""
+    return record_key(chain_key(ctx.context(a), span_key(ctx.namespace, [ids])).hex, "exact")
