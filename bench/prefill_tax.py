@@ -10,6 +10,9 @@ best of ``--repeats``:
 - ``one_pass``: the engine's full prefill (``agent/engine/full_prefill.py``): one forward pass
   over the prompt into a fresh cache, the head on the last token only, with the engine's
   attention (blocked);
+- ``one_pass_cut_short``: the same pass with the blocks run only where the pass computes them
+  (the last one cut short at the prompt's end): what running every block whole costs, the price
+  of exact reuse to the token (``attention.WHOLE_BLOCKS``);
 - ``one_pass_sdpa``: the same pass with SDPA's own kernel (not cut invariant): the fastest pass
   this CPU runs, whatever the cache needs;
 - ``cache_exact``: the prompt cache's ``exact`` prefill with nothing to reuse (a fresh tenant
@@ -44,7 +47,14 @@ from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, build_prom
 from cache.arena import KVArena
 from cache.store import StoreConfig, TieredStore
 
-WAYS = ("one_pass", "one_pass_sdpa", "cache_exact", "cache_exact_server", "segmented_sdpa")
+WAYS = (
+    "one_pass",
+    "one_pass_cut_short",
+    "one_pass_sdpa",
+    "cache_exact",
+    "cache_exact_server",
+    "segmented_sdpa",
+)
 
 
 class _Bounded:
@@ -118,8 +128,16 @@ def measure(adapter: Any, n: int, repeats: int, pass_tokens: int, seed: int) -> 
 
         return go
 
+    def cut_short() -> torch.Tensor:
+        attention.WHOLE_BLOCKS = False
+        try:
+            return _pass(adapter, ids)
+        finally:
+            attention.WHOLE_BLOCKS = True
+
     ways: dict[str, Callable[[], torch.Tensor]] = {
         "one_pass": lambda: _pass(adapter, ids),
+        "one_pass_cut_short": cut_short,
         "one_pass_sdpa": sdpa(None),
         "cache_exact": lambda: cached(None),
         "cache_exact_server": server,

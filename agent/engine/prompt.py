@@ -3,9 +3,10 @@
 A prompt (``chat.render``) becomes *planning units*: one per text token and one per image, so an
 image is atomic (:class:`Prompt`, made by :func:`build_prompt`). Its KV is stored in *segments* cut
 at fixed points (:meth:`Prompt.cuts`: multiples of a block size and every image's edges), the
-grain of exact reuse. The prefill runs the segments in passes (:func:`passes`: as few as a bound
-allows, breaking at image edges); the model's attention computes fixed blocks aligned to those
-cuts (``agent/adapters/attention.py``), so the KV does not depend on how segments were grouped.
+grain of the store's keys (exact reuse itself may end at any token, ``reuse.Finder``). The
+prefill runs the segments in passes (:func:`passes`: as few as a bound allows, breaking at image
+edges); the model's attention runs fixed blocks whole however a pass cuts them
+(``agent/adapters/attention.py``), so the KV does not depend on how segments were grouped.
 
 :class:`PromptKeys` names what is stored: a segment's KV under a key of its content and its
 whole context (``chain_key(context, span)``), a chunk's alias under its content alone, and the

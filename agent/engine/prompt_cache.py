@@ -12,16 +12,19 @@ chunking, matches the exact prefix in its radix tree, then looks up each later c
 **Exact means exact.** A prompt's exact part is stored in *segments* cut at fixed points of the
 prompt: multiples of ``block_tokens`` tokens and the edges of every image (:meth:`Prompt.cuts`).
 The segments run in as few forward passes as the scheduler's bound and the images allow
-(:func:`~agent.engine.prompt.passes`); the prefill attention computes fixed blocks aligned to the
-sequence (``agent/adapters/attention.py``), so a pass cut at segment edges writes the KV one
-pass over the whole prompt writes, whatever was reused (a model that is not ``cut_invariant``
-runs one pass per segment instead). What follows content reused at a moved place or after other
-antecedents is not exact whatever its passes, and is prefilled in one. Conditioned KV is stored
-as the model rotated it (``ChunkKV.placed_at``), never un-rotated and rotated back. An
-exact-prefix hit is cut back to the last segment edge, placed bit for bit, and the rest is
+(:func:`~agent.engine.prompt.passes`); the prefill attention runs every block of the sequence whole
+however a pass cuts it (``agent/adapters/attention.py``), so a prompt's first tokens have the KV of
+any prompt that begins with them, whatever was reused and however the passes fell (a model that is
+not ``cut_invariant`` runs one pass per segment instead, and reuses whole segments only). What
+follows content reused at a moved place or after other antecedents is not exact whatever its
+passes, and is prefilled in one. Conditioned KV is stored as the model rotated it
+(``ChunkKV.placed_at``), never un-rotated and rotated back. An exact-prefix hit goes on to the
+token where the prompts part (``reuse.Finder``: whole segments by their keys, then the leading rows
+of an earlier prompt's segment, found in the radix tree or by the pointer a commit leaves after
+each exact row, :meth:`PromptCache._write_pointers`), is placed bit for bit, and the rest is
 prefilled: the model cache, the logits and the greedy tokens are those of the engine's one-pass
-full prefill (``full_prefill.py``). Only KV that is exact in that sense enters the radix tree, so
-a prefix hit is never KV computed after approximate reuse.
+full prefill (``full_prefill.py``). Only KV that is exact in that sense enters the radix tree, so a
+prefix hit is never KV computed after approximate reuse.
 
 Modes (``agent/modes.py``, per request, a server default), as this cache runs them:
 
@@ -368,9 +371,9 @@ class PromptCache:
                 residual = max(residual, done.residual)
                 repair = []
             exact = exact_units == step.start
-            # rows are stored segment by segment (the grain of exact reuse); the segments run in
-            # as few forward passes as a scheduler's bound and the images allow: the attention
-            # kernel's blocks make a pass cut at segment edges write the KV of one pass
+            # rows are stored segment by segment (the grain of the stores' keys); the segments run
+            # in as few forward passes as a scheduler's bound and the images allow: the attention
+            # runs its blocks whole, so a pass cut anywhere writes the KV of one pass
             # (``agent/adapters/attention.py``), and fewer passes read the weights fewer times
             segments = keys.segments(step.start, step.end)
             for group in passes(prompt, segments, batched.pass_tokens, self._join):
