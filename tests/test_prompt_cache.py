@@ -157,11 +157,20 @@ def test_another_process_finds_the_exact_prefix_to_the_token_by_its_pointer(llam
     assert served() == parted // block * block
     pc.store.put(key, Entry({}, {"key": "gone/exact", "ids": list(good.meta["ids"])}))  # another row
     assert served() == parted // block * block
-    pc.store.put(key, Entry({}, {"ids": "many"}))  # not a pointer
-    assert served() == parted // block * block
+    for damaged in (
+        {"ids": "many"},
+        {"key": good.meta["key"], "ids": 5},
+        {"key": good.meta["key"], "ids": [2**70]},
+    ):
+        pc.store.put(key, Entry({}, damaged))  # not a pointer: a miss, and a commit writes a good one
+        assert served() == parted // block * block
+        again = PromptCache(llama, pc.store, CONFIG)
+        again.commit(again.prepare(first, "another tenant"))
     pc.store.put(key, good)
     pc.store.delete(str(good.meta["key"]))  # the row itself evicted
     assert served() == parted // block * block
+    # the process that saw the first prompt: its radix tree knew more than the store now holds
+    assert pc.prepare(second, mode="exact").usage.lost_entries == 1
 
 
 def test_an_exact_hit_on_disk_needs_the_numerics_it_was_computed_under(

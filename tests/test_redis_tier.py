@@ -226,6 +226,30 @@ def test_replica_reuses_what_another_prefilled(llama: Any) -> None:  # noqa: F81
     assert torch.softmax(warm.logits, -1).sub(torch.softmax(reference, -1)).abs().max() < 0.05
 
 
+def test_a_replica_reuses_to_the_token_what_another_prefilled(llama: Any) -> None:  # noqa: F811
+    """Two replicas share only Redis: the second prompt parts from the first inside a segment,
+    and the replica that never saw the first brings in its pointers and their rows in the
+    prefetch, and reuses it exactly to where they part: the full prefill's logits."""
+    server = fakeredis.FakeServer()
+    a, b = replica(llama, server), replica(llama, server)
+    first = prompt_of(
+        a, [Message("system", ("You are terse.",)), Message("user", (DOC, "Sum it up in a line."))]
+    )
+    a.commit(a.prepare(first, mode="exact"))
+    a.store.shared.flush()  # type: ignore[union-attr]
+    second = prompt_of(
+        b, [Message("system", ("You are terse.",)), Message("user", (DOC, "List three items."))]
+    )
+    parted = int(
+        torch.nonzero(torch.as_tensor(first.units[: second.n_tokens] != second.units[: first.n_tokens]))[0]
+    )
+    assert parted % CONFIG.block_tokens
+    warm = b.prepare(second, mode="exact")
+    assert warm.usage.prefix_tokens == parted
+    assert warm.usage.shared_tokens == 0 or warm.usage.shared_tokens <= parted
+    assert torch.equal(warm.logits, b.prepare(second, "reference", mode="exact").logits)
+
+
 def test_entry_of_other_tokens_is_refused_after_prefetch() -> None:
     """Two processes may give one image id to two images, so one key to two chunks: the token
     fingerprint each entry certifies keeps the other process's entry from being served."""

@@ -217,14 +217,16 @@ class DecoderAdapter(ModelAdapter):
 
     @property
     def cut_invariant(self) -> bool:
-        """The blocked attention (``attention.py``) and no routed experts: a mixture of experts
-        runs each expert's product on the tokens routed to it, so a token's sums depend on
-        which other tokens share its pass."""
+        """The blocked attention (``attention.py``), no routed experts and no sliding windows: a
+        mixture of experts runs each expert's product on the tokens routed to it, so a token's
+        sums depend on which other tokens share its pass; a layer with a sliding window goes to
+        SDPA whole, whose tiles depend on the pass."""
         cfg = self.model.config.get_text_config()
         experts = any(
             getattr(cfg, name, None) for name in ("n_routed_experts", "num_experts", "num_local_experts")
         )
-        return self.attention == attention.NAME and not experts
+        windows = any(getattr(m, "sliding_window", None) for m in self.model.modules())
+        return self.attention == attention.NAME and not experts and not windows
 
     def chunk_key(self, chunk: ChunkInput, tenant_salt: str = "") -> str:
         """Content key of a chunk under this model's namespace (and a tenant's salt).

@@ -84,7 +84,7 @@ from agent.engine.prompt import (
     passes,
     split_pass,
 )
-from agent.engine.reuse import Finder, after_key
+from agent.engine.reuse import Finder, after_key, read_pointer
 from agent.modes import (
     DEFAULT_MODE,
     REPAIR_MARGIN,
@@ -600,9 +600,9 @@ class PromptCache:
                 continue
             key = after_key(ctx, row.start)
             old = self.store.get(key)
-            longer = old is not None and len(old.meta.get("ids", ())) >= row.end - row.start
-            if longer and str(old.meta.get("key")) in self.store:  # type: ignore[union-attr]
-                continue
+            kept = read_pointer(old.meta) if old is not None else None
+            if kept is not None and len(kept[1]) >= row.end - row.start and kept[0] in self.store:
+                continue  # a pointer to a longer row, still stored
             meta = {"key": row.key, "ids": prompt.units[row.start : row.end].tolist()}
             written += records.put(self.store, key, Entry({}, meta))
         return written

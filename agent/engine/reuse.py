@@ -18,7 +18,7 @@ Reused KV comes as *parts* laid end to end, each in the frame it was stored in: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -101,7 +101,8 @@ class Finder:
             if edge < b:
                 break
         # the radix tree knew a longer exact prefix than the store still holds
-        lost = int(cut_back(cuts, min(plan.prefix_len, n_units - 1)) > edge)
+        known = min(plan.prefix_len, n_units - 1)
+        lost = int((known if self.to_the_token else cut_back(cuts, known)) > edge)
         steps: list[Step] = []
         if edge > 0:
             steps.append(Step(0, edge, tuple(parts), tuple(rows), 0, True))
@@ -197,14 +198,12 @@ class Finder:
         if not self.to_the_token or edge >= len(prompt.units) - 1:
             return None
         entry = self.store.get(after_key(ctx, edge))
-        if entry is None:
+        pointer = read_pointer(entry.meta) if entry is not None else None
+        if pointer is None:
             return None
-        try:
-            key, ids = str(entry.meta["key"]), np.asarray(entry.meta["ids"], np.int64)
-        except (KeyError, TypeError, ValueError):
-            return None
+        key, ids = pointer
         stop = min(b, len(prompt.units) - 1, edge + len(ids))
-        if ids.ndim != 1 or stop <= edge or prompt.has_image(edge, stop):
+        if stop <= edge or prompt.has_image(edge, stop):
             return None
         ours = prompt.units[edge:stop]
         parted = np.flatnonzero(ids[: len(ours)] != ours)
@@ -288,12 +287,19 @@ class Finder:
                 keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
             elif c.status == "miss":
                 aliases.append(record_key(ctx.content_key(c.start, c.end).hex, "alias"))
-        fetched = set(self.store.prefetch([*keys, *aliases]))
+        # the pointers left after each segment's start (exact reuse to the token), then their rows
+        pointers = [after_key(ctx, a) for a, _ in ctx.segments(0, n_units - 1)] if self.to_the_token else []
+        fetched = set(self.store.prefetch([*keys, *aliases, *pointers]))
         rows = []
         for key in aliases:
             entry = self.store.get(key) if key in fetched else None
             if entry is not None:
                 rows += [str(r[2]) for r in entry.meta.get("rows", ()) if isinstance(r, list) and len(r) > 2]
+        for key in pointers:
+            entry = self.store.get(key) if key in fetched else None
+            pointer = read_pointer(entry.meta) if entry is not None else None
+            if pointer is not None:
+                rows.append(pointer[0])
         if rows:
             fetched |= self.store.prefetch(rows)
         return frozenset(fetched)
@@ -416,3 +422,16 @@ def after_key(ctx: PromptKeys, a: int) -> str:
 def exact_key(ctx: PromptKeys, a: int, ids: np.ndarray) -> str:
     """The store key of the exact KV of text ``ids`` right after this prompt's units [0, a)."""
     return record_key(chain_key(ctx.context(a), span_key(ctx.namespace, [ids])).hex, "exact")
+
+
+def read_pointer(meta: object) -> tuple[str, np.ndarray] | None:
+    """The row key and token ids of a pointer entry's metadata (:func:`after_key`), or None where
+    it is not one: a damaged pointer is a miss."""
+    if not isinstance(meta, Mapping):
+        return None
+    key, ids = meta.get("key"), meta.get("ids")
+    if not isinstance(key, str) or not isinstance(ids, list) or not ids:
+        return None
+    if not all(type(i) is int and 0 <= i < 1 << 62 for i in ids):
+        return None
+    return key, np.asarray(ids, np.int64)
