@@ -284,6 +284,27 @@ def test_the_exact_prefix_ends_at_the_token_wherever_the_prompts_part() -> None:
     assert served(pc, shared + tail(200)) == 700
 
 
+def test_the_longer_of_the_radix_match_and_the_pointer_is_taken() -> None:
+    """A replica whose own radix tree knows a short match (another conversation that shares the
+    first tokens) still reuses as far as the pointer the first replica left reaches."""
+    adapter = load_adapter("tiny:llama-gqa")
+    adapter.tokenizer = ByteTokenizer()
+    rng = random.Random(8)
+    head = [rng.randrange(500) for _ in range(100)]
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(500) for _ in range(n)]
+
+    store = TieredStore.from_config(StoreConfig(host_bytes=64 << 20))
+    a, b = PromptCache(adapter, store), PromptCache(adapter, store)
+    a.commit(a.prepare(text_prompt(a, head + tail(200)), mode="exact"))
+    b.commit(b.prepare(text_prompt(b, head[:10] + tail(300)), mode="exact"))  # b's tree: 10 tokens
+    prompt = text_prompt(b, head + tail(200))
+    warm = b.prepare(prompt, mode="exact")
+    assert warm.usage.prefix_tokens == 100
+    assert torch.equal(warm.logits, full_prefill(adapter, prompt, SamplingParams(max_tokens=2)).logits)
+
+
 def test_exact_reuse_after_an_image_equals_the_full_prefill() -> None:
     adapter = load_adapter("tiny:qwen2.5-vl")
     adapter.tokenizer = ByteTokenizer()

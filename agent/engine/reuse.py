@@ -92,9 +92,13 @@ class Finder:
                     rows.append(found[1])
                     edge = b
                     break
-                more = self._inside_block(prompt, plan, ctx, edge) or self._after(prompt, ctx, edge, b)
-                if more is None:
+                # whichever reaches further: this process's radix tree may know a shorter match
+                # (another conversation's) than the pointer another process left
+                found_here = self._inside_block(prompt, plan, ctx, edge), self._after(prompt, ctx, edge, b)
+                options = [m for m in found_here if m is not None]
+                if not options:
                     break
+                more = max(options, key=lambda m: m[1][-1].end)
                 parts.extend(more[0])
                 rows.extend(more[1])
                 edge = more[1][-1].end
