@@ -250,6 +250,37 @@ def test_a_replica_reuses_to_the_token_what_another_prefilled(llama: Any) -> Non
     assert torch.equal(warm.logits, b.prepare(second, "reference", mode="exact").logits)
 
 
+def test_a_replica_follows_rows_stored_from_inside_a_segment(llama: Any) -> None:  # noqa: F811
+    """The first replica reused a prompt to the token and stored the rest of that segment from
+    where it began; the second, sharing only Redis, fetches that row when its walk reaches it
+    and goes on through the whole segments after: exact to where its prompt parts."""
+    import random
+
+    from agent.engine.chat import TextPiece
+    from agent.engine.prompt_cache import build_prompt
+
+    rng = random.Random(12)
+    server = fakeredis.FakeServer()
+    a, b = replica(llama, server), replica(llama, server)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    def text(pc: PromptCache, tokens: list[int]) -> Any:
+        return build_prompt(llama, [TextPiece(tuple(tokens), False)], pc.image_unit)
+
+    head, rest = ids(52), ids(400)
+    a.commit(a.prepare(text(a, head + ids(300)), mode="exact"))
+    first = a.prepare(text(a, head + rest), mode="exact")
+    assert first.usage.prefix_tokens == 52  # [52, 128) stored from where its pass began
+    a.commit(first)
+    a.store.shared.flush()  # type: ignore[union-attr]
+    prompt = text(b, head + rest + ids(40))
+    warm = b.prepare(prompt, mode="exact")
+    assert warm.usage.prefix_tokens == len(head + rest)
+    assert torch.equal(warm.logits, b.prepare(prompt, "reference", mode="exact").logits)
+
+
 def test_entry_of_other_tokens_is_refused_after_prefetch() -> None:
     """Two processes may give one image id to two images, so one key to two chunks: the token
     fingerprint each entry certifies keeps the other process's entry from being served."""

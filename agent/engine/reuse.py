@@ -152,13 +152,21 @@ class Finder:
         if b != cut_back(ctx.cuts, b):
             return None
         key = ctx.store_key(a, b, exact=True)
-        if key not in self.store:
-            return None
+        if key not in self.store and not (a != cut_back(ctx.cuts, a) and self._bring_in(key)):
+            return None  # (a whole segment's key was asked for in the prefetch already)
         tokens = ctx.fingerprint(a, b)
         found = records.load_kv(self.store, key, tokens)
         if found is None or found.placed_at != int(prompt.pos_off[a]) or not fits(prompt, a, b, [found]):
             return None
         return found, TableRow(a, b, key, 0, 0, tokens)
+
+    def _bring_in(self, key: str) -> bool:
+        """Fetch ``key`` from the store's shared tier (Redis), where there is one: a key inside a
+        segment, which could not be known before the walk reached it (:meth:`prefetch` asked for
+        the segments' own). Whether the store holds it now."""
+        if getattr(self.store, "shared", None) is None:
+            return False
+        return key in self.store.prefetch([key])
 
     def _inside_block(
         self, prompt: Prompt, plan: Plan, ctx: PromptKeys, edge: int
@@ -201,11 +209,17 @@ class Finder:
         miss; None. Text only."""
         if not self.to_the_token or edge >= len(prompt.units) - 1:
             return None
-        entry = self.store.get(after_key(ctx, edge))
+        where = after_key(ctx, edge)
+        inside = edge != cut_back(ctx.cuts, edge)  # a segment start's pointer and row were prefetched
+        if inside and where not in self.store:
+            self._bring_in(where)
+        entry = self.store.get(where)
         pointer = read_pointer(entry.meta) if entry is not None else None
         if pointer is None:
             return None
         key, ids = pointer
+        if inside and key not in self.store:
+            self._bring_in(key)
         stop = min(b, len(prompt.units) - 1, edge + len(ids))
         if stop <= edge or prompt.has_image(edge, stop):
             return None
