@@ -51,7 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "kamera_blocked"
-BLOCK = 128  # query rows per block; a prefill may be cut at any multiple of it
+BLOCK = 128  # query rows per block, aligned to multiples of it in the sequence
 _PLAIN_KWARGS = ("position_bias", "softcap", "sliding_window", "s_aux")
 WHOLE_BLOCKS = True  # every block runs whole, however a pass cuts it (False only to show why)
 LAYOUT = f"blocks-of-{BLOCK}-whole"  # part of the numerics: how the blocks were run

@@ -94,8 +94,9 @@ class Finder:
                     break
                 # whichever reaches further: this process's radix tree may know a shorter match
                 # (another conversation's) than the pointer another process left
-                found_here = self._inside_block(prompt, plan, ctx, edge), self._after(prompt, ctx, edge, b)
-                options = [m for m in found_here if m is not None]
+                here = self._inside_block(prompt, plan, ctx, edge)
+                reached = here is not None and here[1][-1].end >= min(b, n_units - 1)
+                options = [m for m in (here, None if reached else self._after(prompt, ctx, edge, b)) if m]
                 if not options:
                     break
                 more = max(options, key=lambda m: m[1][-1].end)
