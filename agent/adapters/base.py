@@ -155,6 +155,9 @@ class ModelAdapter(ABC):
     # attention depends only on relative positions (static RoPE frequencies), so a whole window
     # may be shifted; False for RoPE whose frequencies follow the sequence's length
     shift_invariant: bool = True
+    # the dtype a prefill pass multiplies its linear layers in ("float32": the weights' own; a
+    # narrower one is part of the numerics, see DecoderAdapter.use_prefill_products)
+    prefill_products: str = "float32"
 
     @property
     def family(self) -> Family:
@@ -266,11 +269,14 @@ class ModelAdapter(ABC):
         """What must match, besides content, for KV cached under this model to be reused: its
         weights, the KV dtype, a tenant's salt, and the numerics this process computes KV under
         now (``cache.numerics``: the thread count is read at each call)."""
+        computed = numerics(self.device, attention.numerics_name(self.attention))
+        if self.prefill_products != "float32":
+            computed += f",products={self.prefill_products}"
         return Namespace(
             model=self.info.fingerprint,
             dtype=str(self.info.dtype).removeprefix("torch."),
             tenant_salt=tenant_salt,
-            numerics=numerics(self.device, attention.numerics_name(self.attention)),
+            numerics=computed,
         )
 
     @abstractmethod

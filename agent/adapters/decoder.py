@@ -34,6 +34,7 @@ from agent.adapters.base import (
     TextInput,
 )
 from agent.adapters.cache_layers import ArenaLayer, RowWriter, hf_layers
+from agent.adapters.vision import VisionAdapter
 from cache.arena import KVArena
 from cache.keys import digest_key, image_key, token_key
 from cache.layout import ChunkKV, Family
@@ -46,6 +47,8 @@ _IMAGE_KEYS_KEPT = 16384  # remembered image chunk keys (one short string each)
 # ``batched.py``), so a short pass would not write the KV a longer pass writes for those tokens
 PASS_MIN_ROWS = 12
 _pass = threading.local()
+PREFILL_WEIGHT = "_kamera_prefill_weight"  # a linear's weight in the prefill products' dtype
+PREFILL_PRODUCTS = ("float32", "bfloat16")
 INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
@@ -65,10 +68,23 @@ def rope_spec_from_module(rotary_emb: torch.nn.Module, model_type: str, **mrope:
 
 def _floored_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[-2] if x.dim() > 1 else 0
+    in_pass = getattr(_pass, "narrow", False)
     if 0 < rows < getattr(_pass, "min_rows", 0):
         pad = x.new_zeros(*x.shape[:-2], PASS_MIN_ROWS - rows, x.shape[-1])
-        return torch.nn.Linear.forward(self, torch.cat([x, pad], dim=-2))[..., :rows, :]
-    return torch.nn.Linear.forward(self, x)
+        return _product(self, torch.cat([x, pad], dim=-2), in_pass)[..., :rows, :]
+    return _product(self, x, in_pass)
+
+
+def _product(linear: torch.nn.Linear, x: torch.Tensor, in_pass: bool) -> torch.Tensor:
+    """``linear(x)``; in a prefill pass (or a repair's recompute, or the reference forward) of a
+    model whose prefill products run in a narrower dtype (:meth:`DecoderAdapter.use_prefill_products`),
+    ``x`` and the weight in that dtype, the product back in the activations' dtype, the bias
+    added there."""
+    narrow = getattr(linear, PREFILL_WEIGHT, None) if in_pass else None
+    if narrow is None:
+        return torch.nn.Linear.forward(linear, x)
+    y = torch.nn.functional.linear(x.to(narrow.dtype), narrow).to(x.dtype)
+    return y if linear.bias is None else y + linear.bias
 
 
 def floor_rows(linear: torch.nn.Linear) -> None:
@@ -292,6 +308,34 @@ class DecoderAdapter(ModelAdapter):
             raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
         return self.model.get_input_embeddings()(chunk.ids.to(self.device))
 
+    def use_prefill_products(self, products: str) -> None:
+        """Run every prefill pass's linear layers in ``products`` ("float32" or "bfloat16"):
+        the activations and a copy of each weight in that dtype, the product (accumulated in
+        float32 by the CPU's bfloat16 GEMM) returned in float32. Prefill is bound by its
+        multiply-adds, and this CPU's bfloat16 dot products run about twice as many a second;
+        decode steps, bound by reading the weights, keep their products (float32 or the GGUF
+        blocks). A bfloat16 GEMM's row does not depend on the other rows of the product
+        (``tests/test_prefill_products.py``), so a prefill cut anywhere still writes one pass's
+        KV and exact reuse still equals the full prefill, bit for bit, under these numerics; the
+        answers are those of other numerics than float32's. KV and activations stay float32;
+        the product dtype is part of every cache key's numerics (``base.namespace``)."""
+        if products not in PREFILL_PRODUCTS:
+            raise ValueError(
+                f"prefill products must be one of {', '.join(PREFILL_PRODUCTS)}, got {products!r}"
+            )
+        if products != "float32" and isinstance(self, VisionAdapter):
+            raise ValueError(
+                f"{products} prefill products are for text decoders, not {self.info.architecture}"
+            )
+        if products != "float32" and self.info.dtype != torch.float32:
+            raise ValueError(f"{products} prefill products need float32 weights, not {self.info.dtype}")
+        narrow = None if products == "float32" else getattr(torch, products)
+        for module in [*self.base.modules(), self.lm_head]:
+            if type(module) is torch.nn.Linear:
+                weight = None if narrow is None else module.weight.detach().to(narrow)
+                setattr(module, PREFILL_WEIGHT, weight)
+        self.prefill_products = products
+
     def _forward_kwargs(self, chunks: Sequence[ChunkInput]) -> dict[str, Any]:
         """Extra arguments of the decoder's forward over ``chunks`` (Qwen3-VL: DeepStack)."""
         return {}
@@ -310,6 +354,7 @@ class DecoderAdapter(ModelAdapter):
         then, under a scheduler, a pause where other requests' steps may run (``pause``). A
         ``prefill`` pass runs its products on at least ``PASS_MIN_ROWS`` rows."""
         _pass.min_rows = PASS_MIN_ROWS if prefill else 0
+        _pass.narrow = prefill
         attention.set_prefill(prefill)
         try:
             out = self.base(
@@ -323,6 +368,7 @@ class DecoderAdapter(ModelAdapter):
             logits = self.lm_head(hidden)[0].float()
         finally:
             _pass.min_rows = 0
+            _pass.narrow = False
             attention.set_prefill(False)
         if pause:
             batched.pause()
@@ -425,7 +471,11 @@ class DecoderAdapter(ModelAdapter):
         if any(isinstance(c, ImageInput) for c in chunks):
             raise TypeError(f"{self.info.architecture} is a text-only model: it cannot take an image chunk")
         ids = torch.cat([c.ids for c in chunks])[None].to(self.device)
-        out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0)
+        _pass.narrow = True
+        try:
+            out = self.model(input_ids=ids, logits_to_keep=1 if last_only else 0)
+        finally:
+            _pass.narrow = False
         return out.logits[0].float()
 
     # --- selective recompute ------------------------------------------------------------------
@@ -469,15 +519,19 @@ class DecoderAdapter(ModelAdapter):
         pos = self._position_ids(positions)
         rotary = self.base.rotary_emb(x, position_ids=pos)
         writer = RowWriter(rows)
-        for index in layers:
-            writer.target = hf_layers(cache)[index]
-            x = self.base.layers[index](
-                x,
-                attention_mask=mask[None, None],
-                position_ids=pos,
-                position_embeddings=rotary,
-                cache=writer,
-                use_cache=True,
-            )
+        _pass.narrow = True  # the products a prefill pass runs (use_prefill_products)
+        try:
+            for index in layers:
+                writer.target = hf_layers(cache)[index]
+                x = self.base.layers[index](
+                    x,
+                    attention_mask=mask[None, None],
+                    position_ids=pos,
+                    position_embeddings=rotary,
+                    cache=writer,
+                    use_cache=True,
+                )
+        finally:
+            _pass.narrow = False
         batched.pause()
         return LayerRun(x[0], *writer.fresh)

@@ -138,14 +138,17 @@ def load_adapter(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     tokenizer: Any = None,
+    prefill_products: str = "float32",
 ) -> ModelAdapter:
     """Load a model and wrap it in the adapter for its architecture.
 
     ``spec``: None (the embedded default model), an embedded name, a checkpoint folder, a .gguf
     file, ``"tiny"`` or ``"tiny:<family>"`` (a new random-weight model each call; a plain
     ``"tiny"`` takes text and images). ``tokenizer``: what a random-weight model tokenizes with
-    (it has none of its own); a checkpoint brings its own. Checkpoints load once per process
-    and the same adapter is returned again.
+    (it has none of its own); a checkpoint brings its own. ``prefill_products``: the dtype a
+    text decoder's prefill passes multiply in (``DecoderAdapter.use_prefill_products``).
+    Checkpoints load once per process (once per products dtype) and the same adapter is
+    returned again.
     """
     if spec is not None and (spec == TINY or spec.startswith(TINY + ":")):
         from agent.adapters import tiny
@@ -154,9 +157,21 @@ def load_adapter(
         adapter = tiny.build(family, dtype=dtype)
         adapter.model.to(device)  # type: ignore[attr-defined]
         adapter.tokenizer = tokenizer
+        if prefill_products != "float32":
+            _products(adapter, prefill_products)
         return adapter
     path = resolve(spec)
-    return _load(str(path), dtype, device, _gguf_source(spec))
+    return _load(str(path), dtype, device, _gguf_source(spec), prefill_products)
+
+
+def _products(adapter: ModelAdapter, products: str) -> None:
+    from agent.adapters.decoder import DecoderAdapter
+
+    if not isinstance(adapter, DecoderAdapter):
+        raise ValueError(
+            f"{products} prefill products are for text decoders, not {adapter.info.architecture}"
+        )
+    adapter.use_prefill_products(products)
 
 
 def _gguf_source(spec: str | None) -> str | None:
@@ -171,7 +186,9 @@ def _gguf_source(spec: str | None) -> str | None:
 
 
 @lru_cache(maxsize=4)
-def _load(path: str, dtype: torch.dtype, device: str, gguf: str | None = None) -> ModelAdapter:
+def _load(
+    path: str, dtype: torch.dtype, device: str, gguf: str | None = None, products: str = "float32"
+) -> ModelAdapter:
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -179,6 +196,8 @@ def _load(path: str, dtype: torch.dtype, device: str, gguf: str | None = None) -
     hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(path)
     arch = config.model_type
+    if products != "float32" and arch not in DECODER_ARCHITECTURES:
+        raise ValueError(f"{products} prefill products are for text decoders, not {arch}")
     if arch == "qwen3_vl":
         from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
@@ -207,7 +226,12 @@ def _load(path: str, dtype: torch.dtype, device: str, gguf: str | None = None) -
             from agent.adapters import qlinear
 
             linears = qlinear.attach(lm, Path(path), Path(gguf))
-        return DecoderAdapter(lm, AutoTokenizer.from_pretrained(path), name=Path(path).name, linears=linears)
+        adapter = DecoderAdapter(
+            lm, AutoTokenizer.from_pretrained(path), name=Path(path).name, linears=linears
+        )
+        if products != "float32":
+            adapter.use_prefill_products(products)
+        return adapter
     raise UnsupportedModelError(
         f"no adapter for architecture {arch!r}; supported: "
         f"{', '.join(sorted(DECODER_ARCHITECTURES | VISION_ARCHITECTURES))}"

@@ -59,6 +59,7 @@ class RuntimeConfig:
     served_name: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    prefill_products: str = "float32"
     limits: ServerLimits = field(default_factory=ServerLimits)
     store: StoreConfig = field(default_factory=lambda: StoreConfig(host_bytes=2 << 30))
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
@@ -70,6 +71,12 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.prefill_products not in ("float32", "bfloat16"):
+            raise ValueError(f"prefill products must be float32 or bfloat16, got {self.prefill_products!r}")
+        if self.prefill_products != "float32" and self.dtype != "float32":
+            raise ValueError(
+                f"{self.prefill_products} prefill products need float32 weights, not {self.dtype}"
+            )
         keys = [k for k, _ in self.api_keys]
         if len(set(keys)) != len(keys) or any(not k for k in keys):
             raise ValueError("API keys must be non-empty and distinct")
@@ -88,7 +95,13 @@ def load_model(config: RuntimeConfig) -> ModelAdapter:
     from agent.adapters.loading import load_adapter
 
     dtype = getattr(torch, config.dtype)
-    return load_adapter(config.model, dtype=dtype, device=config.device, tokenizer=ByteTokenizer())
+    return load_adapter(
+        config.model,
+        dtype=dtype,
+        device=config.device,
+        tokenizer=ByteTokenizer(),
+        prefill_products=config.prefill_products,
+    )
 
 
 class ChatOutcome(NamedTuple):

@@ -51,6 +51,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=_env("port", 8000))
     p.add_argument("--device", default=_env("device", "cpu"))
     p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--prefill-products",
+        default=_env("prefill_products", "float32"),
+        choices=["float32", "bfloat16"],
+        help="the dtype prefill passes multiply a text decoder's float32 weights in (bfloat16: "
+        "about 1.7x faster prefill on CPUs with bfloat16 dot products, other numerics; decode "
+        "steps keep theirs)",
+    )
     p.add_argument("--log-level", default=_env("log_level", "info"))
     p.add_argument(
         "--threads", type=int, default=_env("threads", None), help="torch CPU threads (default: torch's)"
@@ -197,6 +205,7 @@ def build_config(args: argparse.Namespace) -> Any:
         served_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
+        prefill_products=args.prefill_products,
         limits=ServerLimits(**{name: getattr(args, name) for name, _, _ in limit_fields()}),
         store=StoreConfig(
             host_bytes=args.host_bytes,
