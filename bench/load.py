@@ -1,7 +1,8 @@
 """``kamera bench load``: many clients at once against ``kamera serve`` and llama.cpp's server.
 
 The same streamed chat traffic goes to a ``kamera serve`` process (its default settings unless
-``--kamera-args`` says otherwise; ``--dtype`` runs one server per dtype) and to ``llama-server``
+``--kamera-args`` says otherwise; ``--dtype`` runs one server per dtype, ``--prefill-products``
+one per dtype of the prefill's products) and to ``llama-server``
 with ``-np <clients>`` slots (continuous batching) on the same GGUF (the embedded SmolLM2), one
 after the other, for each number of clients. Each client sends its requests one after another;
 every request is streamed, greedy, with ``max_tokens`` out, and timed as a client meets it:
@@ -320,8 +321,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log = Path(args.log)
     gguf = smollm2_gguf_path()
     engines: list[tuple[str, Any]] = [
-        (f"kamera {d}" if d else "kamera", (["--dtype", d] if d else []) + shlex.split(args.kamera_args))
+        (
+            " ".join(["kamera", *([d] if d else []), *([f"{pp}-prefill"] if pp else [])]),
+            (["--dtype", d] if d else [])
+            + (["--prefill-products", pp] if pp else [])
+            + shlex.split(args.kamera_args),
+        )
         for d in args.dtype
+        for pp in args.prefill_products
     ]
     binary = None
     if not args.no_peer:
@@ -469,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     p.add_argument("--dtype", type=lambda s: s.split(","), default=[""],
                    help="one Kamera server per dtype (comma-separated); default: the server's")  # fmt: skip
+    p.add_argument("--prefill-products", type=lambda s: s.split(","), default=[""],
+                   help="one Kamera server per prefill products dtype (float32, bfloat16; "
+                   "comma-separated); default: the server's")  # fmt: skip
     p.add_argument("--kamera-args", default="", help="more kamera serve arguments")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--no-peer", action="store_true", help="Kamera alone")

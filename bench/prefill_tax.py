@@ -19,7 +19,11 @@ best of ``--repeats``:
   salt each time), each segment's KV taken out for the store, then its commit (``commit_s``);
 - ``cache_exact_server``: the same under the server's bound on passes (a stand-in scheduler with
   ``pass_tokens`` = ``--pass-tokens``), as ``kamera serve`` runs it;
-- ``segmented_sdpa``: the way before: SDPA in 128-token passes.
+- ``segmented_sdpa``: the way before: SDPA in 128-token passes;
+- ``one_pass_bf16``, ``cache_exact_server_bf16``: ``one_pass`` and ``cache_exact_server`` with the
+  prefill's products in bfloat16 (``kamera serve --prefill-products bfloat16``; text decoders
+  only, else left out): ``bf16_speedup`` is ``one_pass`` over ``one_pass_bf16``, ``bf16_tax``
+  the exact, storable prefill over the one pass in those numerics.
 
 Ratios are over the fastest one-pass time (``fastest``: the smaller of ``one_pass`` and
 ``one_pass_sdpa``); ``exact_equal`` says whether the prompt cache's logits equal ``one_pass``'s
@@ -41,7 +45,9 @@ from typing import Any
 import torch
 
 from agent.adapters import attention, batched
+from agent.adapters.decoder import DecoderAdapter
 from agent.adapters.loading import load_adapter
+from agent.adapters.vision import VisionAdapter
 from agent.engine.chat import TextPiece
 from agent.engine.prompt_cache import PromptCache, PromptCacheConfig, build_prompt
 from cache.arena import KVArena
@@ -54,7 +60,10 @@ WAYS = (
     "cache_exact",
     "cache_exact_server",
     "segmented_sdpa",
+    "one_pass_bf16",
+    "cache_exact_server_bf16",
 )
+NARROW = "_bf16"  # ways run with the prefill's products in bfloat16
 
 
 class _Bounded:
@@ -142,15 +151,26 @@ def measure(adapter: Any, n: int, repeats: int, pass_tokens: int, seed: int) -> 
         "cache_exact": lambda: cached(None),
         "cache_exact_server": server,
         "segmented_sdpa": sdpa(attention.BLOCK),
+        "one_pass_bf16": lambda: _pass(adapter, ids),
+        "cache_exact_server_bf16": server,
     }
+    narrow = isinstance(adapter, DecoderAdapter) and not isinstance(adapter, VisionAdapter)
+    if not narrow:
+        ways = {w: fn for w, fn in ways.items() if not w.endswith(NARROW)}
     for _ in range(repeats):
         for name, fn in ways.items():
-            t = time.perf_counter()
-            logits[name] = fn()
-            times[name].append(time.perf_counter() - t)
-    best = {w: min(v) for w, v in times.items()}
+            if name.endswith(NARROW):
+                adapter.use_prefill_products("bfloat16")
+            try:
+                t = time.perf_counter()
+                logits[name] = fn()
+                times[name].append(time.perf_counter() - t)
+            finally:
+                if name.endswith(NARROW):
+                    adapter.use_prefill_products("float32")
+    best = {w: min(v) for w, v in times.items() if v}
     fastest = min(best["one_pass"], best["one_pass_sdpa"])
-    return {
+    out = {
         "tokens": n,
         "seconds": {w: round(v, 6) for w, v in best.items()},
         "ms_per_token": {w: round(1000 * v / n, 3) for w, v in best.items()},
@@ -161,6 +181,14 @@ def measure(adapter: Any, n: int, repeats: int, pass_tokens: int, seed: int) -> 
             w: bool(torch.equal(logits[w], logits["one_pass"])) for w in ("cache_exact", "cache_exact_server")
         },
     }
+    if narrow:
+        out["exact_equal"]["cache_exact_server_bf16"] = bool(
+            torch.equal(logits["cache_exact_server_bf16"], logits["one_pass_bf16"])
+        )
+        out["bf16_speedup"] = round(best["one_pass"] / best["one_pass_bf16"], 3)
+        out["bf16_tax"] = round(best["cache_exact_server_bf16"] / best["one_pass_bf16"], 3)
+        out["bf16_top1_equal"] = bool(logits["one_pass_bf16"].argmax() == logits["one_pass"].argmax())
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,7 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in lengths:
         r = measure(adapter, n, args.repeats, args.pass_tokens, args.seed)
         rows.append(r)
-        cells = "  ".join(f"{r['seconds'][w]:8.3f}s {r['over_fastest'][w]:6.3f}x" for w in WAYS)
+        cells = "  ".join(
+            f"{r['seconds'][w]:8.3f}s {r['over_fastest'][w]:6.3f}x" if w in r["seconds"] else f"{'-':>18}"
+            for w in WAYS
+        )
         print(f"{n:>6}  {cells}  {all(r['exact_equal'].values())}", flush=True)
     out = {
         "model": adapter.info.name,
