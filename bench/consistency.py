@@ -100,6 +100,7 @@ class Refs(NamedTuple):
 
     segmented: Outcome
     one_pass: Outcome
+    float32_tokens: list[int] | None = None  # under narrower products: float32 products' answer
 
 
 class Row(NamedTuple):
@@ -110,6 +111,7 @@ class Row(NamedTuple):
     reference: Outcome
     seen_tokens: int = 0  # prompt tokens outside messages new to the session (0 on its first request)
     one_pass: Outcome | None = None  # the one-pass full prefill (None: not run)
+    float32_tokens: list[int] | None = None  # Refs.float32_tokens
 
 
 def seen_tokens(tokenizer: Any, prompt_tokens: int, messages: Sequence[Message], seen: set[Any]) -> int:
@@ -149,6 +151,20 @@ def one_pass(adapter: Any, prompt: Prompt, params: SamplingParams) -> Outcome:
     total = time.perf_counter() - t0
     d = out.decoded
     return Outcome(d.tokens, out.logits, d.first_token_at - t0, total, None, _margins(d))
+
+
+def float32_answer(adapter: Any, prompt: Prompt, params: SamplingParams) -> list[int] | None:
+    """Under prefill products narrower than float32, the one-pass full prefill's answer with
+    float32 products (untimed): what the narrower products change in the model's own answer.
+    None under float32 products."""
+    products = adapter.prefill_products
+    if products == "float32":
+        return None
+    adapter.use_prefill_products("float32")
+    try:
+        return list(full_prefill(adapter, prompt, params).decoded.tokens)
+    finally:
+        adapter.use_prefill_products(products)
 
 
 def _margins(decoded: Decoded) -> list[float]:
@@ -197,7 +213,18 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         "served": {k: sum(x.served == k for x in u) for k in SERVED},
         "served_per_request": [x.served for x in u],
         **logit_error_fields(rows),
+        **float32_fields(rows),
     }
+
+
+def float32_fields(rows: Sequence[Row]) -> dict[str, Any]:
+    """Under narrower prefill products: how many full prefills' answers equal the float32
+    products' (``float32_agreement``; a property of the numerics, not of reuse)."""
+    checked = [r for r in rows if r.float32_tokens is not None]
+    if not checked:
+        return {}
+    same = sum(list(r.reference.tokens) == r.float32_tokens for r in checked)
+    return {"float32_checked": len(checked), "float32_agreement": round(same / len(checked), 4)}
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -245,6 +272,9 @@ def _request_fields(r: Row) -> dict[str, Any]:
         "repair_residual": u.repair_residual,
         # the smallest gap between the best two logits along the full prefill's answer
         "reference_min_margin": round(min(r.reference.margins), 4) if r.reference.margins else None,
+        # the full prefill's answer, to set beside another run's (other numerics, another model)
+        "reference_tokens": list(r.reference.tokens),
+        **({"float32_tokens": r.float32_tokens} if r.float32_tokens is not None else {}),
         "ttft_s": ms(r.cached.ttft_s),
         "total_s": ms(r.cached.total_s),
         "segmented_ttft_s": ms(r.reference.ttft_s),
@@ -350,7 +380,9 @@ def replay(
             ref = None
             if modes:
                 segmented = run(reference, prompt, f"{s.id}/{step}", "exact", params)
-                ref = Refs(segmented, one_pass(adapter, prompt, params))
+                ref = Refs(
+                    segmented, one_pass(adapter, prompt, params), float32_answer(adapter, prompt, params)
+                )
                 reference.reset()  # never reused: every reference is a full prefill
             work.append((s, step, pieces, prompt, n_seen, ref))
             if concurrency > 1:
@@ -381,7 +413,9 @@ def _keep(
     rows: list[Row], policy: str, mode: str, s: Any, step: int, prompt: Any, cached: Outcome, ref: Refs,
     n_seen: int, log: Any,
 ) -> None:  # fmt: skip
-    rows.append(Row(s.id, step, prompt.n_tokens, cached, ref.segmented, n_seen, ref.one_pass))
+    rows.append(
+        Row(s.id, step, prompt.n_tokens, cached, ref.segmented, n_seen, ref.one_pass, ref.float32_tokens)
+    )
     log(
         f"{policy:>20} {mode:>6} {s.id} step {step:>2} {prompt.n_tokens:>5} tok "
         f"cached {cached.usage.cached_tokens:>5} {cached.usage.served:>8} "
@@ -487,6 +521,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
+        "--prefill-products",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the dtype prefill passes multiply in (kamera serve --prefill-products); every "
+        "full prefill and cached request runs under it",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=1,
@@ -521,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"kamera bench consistency: {e}") from None
     if not sessions:
         raise SystemExit(f"no sessions in {args.source} ({args.split}): is ../shared/data there?")
-    adapter = load_adapter(args.model)
+    adapter = load_adapter(args.model, prefill_products=args.prefill_products)
     config = PromptCacheConfig(
         block_tokens=args.block_tokens,
         min_reuse_tokens=args.min_reuse_tokens,
@@ -541,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_per_session": args.requests,
         "max_tokens": args.max_tokens,
         "threads": torch.get_num_threads(),
+        "prefill_products": adapter.prefill_products,
         "seed": args.seed,
         "concurrency": args.concurrency,
         "config": {

@@ -314,3 +314,33 @@ def test_latency_ratios_are_medians_over_requests_with_hits() -> None:
     assert report["one_pass_e2e_ratio_median"] == pytest.approx(1.2)
     assert (report["one_pass_checked"], report["one_pass_mismatches"]) == (4, 1)
     assert [p["total_s"] for p in report["per_request"]] == [2.0, 1.0, 1.0, 2.0]
+
+
+def test_replay_in_bfloat16_products_keeps_every_answer_and_sets_them_beside_float32s() -> None:
+    narrow = load_adapter("tiny:llama-gqa", tokenizer=ByteTokenizer(), prefill_products="bfloat16")
+    rows = _replay(narrow, "append", ["exact"], PromptCacheConfig(block_tokens=64))["exact"]
+    assert narrow.prefill_products == "bfloat16"  # the float32 answers were taken and the products put back
+    summary = summarize(rows)
+    assert summary["greedy_agreement"] == 1.0  # exact reuse, exact under these numerics too
+    assert summary["float32_checked"] == 3
+    for row, fields in zip(rows, summary["per_request"], strict=True):
+        assert fields["reference_tokens"] == list(row.reference.tokens)
+        assert fields["float32_tokens"] == row.float32_tokens
+        assert len(row.float32_tokens or []) == 4
+    wide = load_adapter("tiny:llama-gqa", tokenizer=ByteTokenizer())  # the same weights
+    wide_rows = _replay(wide, "append", ["exact"], PromptCacheConfig(block_tokens=64))["exact"]
+    # the float32 answers are the float32 engine's own
+    assert [f["float32_tokens"] for f in summary["per_request"]] == [
+        list(r.reference.tokens) for r in wide_rows
+    ]
+    assert (
+        summary["float32_agreement"]
+        == sum(f["float32_tokens"] == f["reference_tokens"] for f in summary["per_request"]) / 3
+    )
+
+
+def test_float32_products_report_no_float32_answers(llama: Any) -> None:
+    rows = _replay(llama, "append", ["exact"], PromptCacheConfig(block_tokens=64))["exact"]
+    summary = summarize(rows)
+    assert "float32_agreement" not in summary
+    assert all("float32_tokens" not in f for f in summary["per_request"])
