@@ -491,6 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown scenario {bad[0]!r}; one of {', '.join(SCENARIOS)}")
+    bad = [x for x in args.prefill_products if x not in ("", "float32", "bfloat16")]
+    if bad:
+        p.error(f"unknown prefill products {bad[0]!r}; float32 or bfloat16")
     if args.requests < 1 or any(c < 1 for c in args.clients):
         p.error("--requests and --clients must be positive")
     out = run(args)

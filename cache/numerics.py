@@ -18,6 +18,7 @@ processes of different numerics holds one copy per numerics rather than a wrong 
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 
@@ -57,3 +58,23 @@ def numerics(device: torch.device | str, attention: str) -> str:
         parts.append(f"gpu={torch.cuda.get_device_name(dev)}")
     parts.append(f"attention={attention}")
     return ",".join(parts)
+
+
+@lru_cache(maxsize=1)
+def bf16_kernels() -> str:
+    """What picks a bfloat16 GEMM's kernel on this CPU, beyond :func:`process_numerics`'s
+    capability (which reads AVX512 with or without bfloat16 instructions): the CPU's bfloat16
+    instructions (``amx_bf16``, ``avx512_bf16`` or none, from ``/proc/cpuinfo``) and oneDNN's
+    ``ONEDNN_MAX_CPU_ISA`` cap if set, e.g. ``bf16=avx512_bf16``."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    break
+    except OSError:
+        pass
+    isa = next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), "none")
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    return f"bf16={isa}" + (f",onednn_isa={cap}" if cap else "")

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from agent.adapters.base import ModelAdapter
-from agent.adapters.decoder import DecoderAdapter
+from agent.adapters.decoder import PREFILL_WEIGHT, DecoderAdapter
 from agent.adapters.loading import load_adapter
 from agent.engine.chat import ByteTokenizer
 from agent.engine.full_prefill import full_prefill
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import PromptCache
 from agent.engine.runtime import RuntimeConfig
+from cache.numerics import bf16_kernels
 from cache.store import StoreConfig, TieredStore
 from tests.test_cut_invariance import prefill_cut, same_kv, text_prompt, token_cut_cases
 
@@ -101,7 +102,9 @@ def test_the_products_are_part_of_the_numerics() -> None:
     wide, thin = load_adapter("tiny:llama-gqa"), narrow()
     assert wide.info.fingerprint == thin.info.fingerprint  # the same weights
     assert "products=" not in wide.namespace().numerics  # float32 keys as they were
-    assert thin.namespace().numerics == wide.namespace().numerics + ",products=bfloat16"
+    # the products, and what picks a bfloat16 GEMM's kernel on this CPU
+    assert thin.namespace().numerics == wide.namespace().numerics + ",products=bfloat16," + bf16_kernels()
+    assert bf16_kernels().startswith("bf16=")
     ids = wide.text(list(range(40)))
     assert wide.chunk_key(ids) != thin.chunk_key(ids)
     thin.use_prefill_products("float32")
@@ -121,3 +124,48 @@ def test_bad_products_are_refused() -> None:
     with pytest.raises(ValueError, match="need float32 weights"):
         RuntimeConfig(dtype="bfloat16", prefill_products="bfloat16")
     assert isinstance(narrow(), DecoderAdapter)
+
+
+def test_the_head_keeps_float32_products() -> None:
+    """The logits an answer is chosen from are not rounded to bfloat16: only the decoder's
+    linears carry a bfloat16 weight."""
+    thin = narrow()
+    assert isinstance(thin, DecoderAdapter)
+    assert getattr(thin.lm_head, PREFILL_WEIGHT, None) is None
+    carried = [m for m in thin.base.modules() if getattr(m, PREFILL_WEIGHT, None) is not None]
+    assert carried
+    assert all(getattr(m, PREFILL_WEIGHT).dtype == torch.bfloat16 for m in carried)
+    ids = [random.Random(4).randrange(500) for _ in range(60)]
+    logits, _ = prefill_cut(thin, ids, [])
+    assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's grid
+
+
+def test_a_prompt_cache_keys_kv_by_the_products_it_was_computed_under() -> None:
+    """Products switched on a live prompt cache: what was stored before is not an exact hit
+    after, and what is stored after carries the new numerics."""
+    adapter = load_adapter("tiny:llama-gqa")
+    adapter.tokenizer = ByteTokenizer()
+    pc = PromptCache(adapter, TieredStore.from_config(StoreConfig(host_bytes=64 << 20)))
+    rng = random.Random(2)
+    ids = [rng.randrange(500) for _ in range(300)]
+    pc.commit(pc.prepare(text_prompt(pc, ids), mode="exact"))
+    assert pc.prepare(text_prompt(pc, ids), mode="exact").usage.prefix_tokens == 299
+    adapter.use_prefill_products("bfloat16")
+    cold = pc.prepare(text_prompt(pc, ids), mode="exact")
+    assert cold.usage.prefix_tokens == 0  # float32 KV is not exact under bfloat16 products
+    assert pc.planner("").namespace == adapter.namespace("")
+    pc.commit(cold)
+    warm = pc.prepare(text_prompt(pc, ids), mode="exact")
+    assert warm.usage.prefix_tokens == 299
+    assert torch.equal(
+        warm.logits, full_prefill(adapter, text_prompt(pc, ids), SamplingParams(max_tokens=1)).logits
+    )
+
+
+def test_kamera_serve_refuses_products_its_model_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.server import cli
+
+    assert cli.main(["--model", "tiny:qwen2.5-vl", "--prefill-products", "bfloat16"]) == 2
+    assert "for text decoders" in capsys.readouterr().out
+    assert cli.main(["--dtype", "bfloat16", "--prefill-products", "bfloat16"]) == 2
+    assert "need float32 weights" in capsys.readouterr().out

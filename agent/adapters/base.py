@@ -26,7 +26,7 @@ from agent.adapters import attention
 from cache.arena import KVArena
 from cache.keys import Namespace
 from cache.layout import ChunkKV, Family
-from cache.numerics import numerics
+from cache.numerics import bf16_kernels, numerics
 from cache.rope import RopeSpec
 from cache.window import ArenaDims
 
@@ -271,7 +271,7 @@ class ModelAdapter(ABC):
         now (``cache.numerics``: the thread count is read at each call)."""
         computed = numerics(self.device, attention.numerics_name(self.attention))
         if self.prefill_products != "float32":
-            computed += f",products={self.prefill_products}"
+            computed += f",products={self.prefill_products},{bf16_kernels()}"
         return Namespace(
             model=self.info.fingerprint,
             dtype=str(self.info.dtype).removeprefix("torch."),

@@ -309,16 +309,19 @@ class DecoderAdapter(ModelAdapter):
         return self.model.get_input_embeddings()(chunk.ids.to(self.device))
 
     def use_prefill_products(self, products: str) -> None:
-        """Run every prefill pass's linear layers in ``products`` ("float32" or "bfloat16"):
-        the activations and a copy of each weight in that dtype, the product (accumulated in
-        float32 by the CPU's bfloat16 GEMM) returned in float32. Prefill is bound by its
-        multiply-adds, and this CPU's bfloat16 dot products run about twice as many a second;
-        decode steps, bound by reading the weights, keep their products (float32 or the GGUF
-        blocks). A bfloat16 GEMM's row does not depend on the other rows of the product
+        """Run a prefill pass's linear layers in ``products`` ("float32" or "bfloat16"): the
+        activations and a copy of each weight in that dtype, summed in float32 by the CPU's
+        bfloat16 GEMM and rounded to bfloat16 on the way out (torch's CPU product returns its
+        inputs' dtype), then widened back to float32. The LM head keeps float32 products, so the
+        logits an answer is chosen from are not rounded to bfloat16's 8-bit mantissa. Prefill is
+        bound by its multiply-adds, and this CPU's bfloat16 dot products run about twice as many
+        a second; decode steps, bound by reading the weights, keep their products (float32 or the
+        GGUF blocks). A bfloat16 GEMM's row does not depend on the other rows of the product
         (``tests/test_prefill_products.py``), so a prefill cut anywhere still writes one pass's
         KV and exact reuse still equals the full prefill, bit for bit, under these numerics; the
         answers are those of other numerics than float32's. KV and activations stay float32;
-        the product dtype is part of every cache key's numerics (``base.namespace``)."""
+        the products (and the CPU's bfloat16 instructions, which pick the GEMM's kernel) are part
+        of every cache key's numerics (``base.namespace``)."""
         if products not in PREFILL_PRODUCTS:
             raise ValueError(
                 f"prefill products must be one of {', '.join(PREFILL_PRODUCTS)}, got {products!r}"
@@ -330,7 +333,7 @@ class DecoderAdapter(ModelAdapter):
         if products != "float32" and self.info.dtype != torch.float32:
             raise ValueError(f"{products} prefill products need float32 weights, not {self.info.dtype}")
         narrow = None if products == "float32" else getattr(torch, products)
-        for module in [*self.base.modules(), self.lm_head]:
+        for module in self.base.modules():  # not the head: the logits stay float32 products
             if type(module) is torch.nn.Linear:
                 weight = None if narrow is None else module.weight.detach().to(narrow)
                 setattr(module, PREFILL_WEIGHT, weight)

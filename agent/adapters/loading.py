@@ -150,6 +150,10 @@ def load_adapter(
     Checkpoints load once per process (once per products dtype) and the same adapter is
     returned again.
     """
+    if prefill_products not in ("float32", "bfloat16"):
+        raise ValueError(f"prefill products must be one of float32, bfloat16, got {prefill_products!r}")
+    if prefill_products != "float32" and dtype != torch.float32:
+        raise ValueError(f"{prefill_products} prefill products need float32 weights, not {dtype}")
     if spec is not None and (spec == TINY or spec.startswith(TINY + ":")):
         from agent.adapters import tiny
 

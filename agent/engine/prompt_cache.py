@@ -293,8 +293,9 @@ class PromptCache:
 
     def planner(self, tenant_salt: str) -> Planner:
         planner = self._planners.get(tenant_salt)
-        if planner is None:
-            planner = Planner(self.namespace(tenant_salt), self.config.planner, self.radix, self.index)
+        namespace = self.namespace(tenant_salt)
+        if planner is None or planner.namespace != namespace:  # numerics changed: threads, products
+            planner = Planner(namespace, self.config.planner, self.radix, self.index)
             self._planners[tenant_salt] = planner
             if len(self._planners) > self.config.max_tenants:
                 self._planners.popitem(last=False)

@@ -255,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kamera serve: {exc}")
         return 2
-    runtime = Runtime.load(config)
+    try:
+        runtime = Runtime.load(config)
+    except ValueError as exc:  # a setting the model cannot take (e.g. bfloat16 products on a vision model)
+        print(f"kamera serve: {exc}")
+        return 2
     serve(create_app(runtime), runtime, args.host, args.port)
     return 0
