@@ -79,6 +79,7 @@ from bench.agreement import answer_fields, ttft_fields
 from bench.traces_data import load_sessions
 from bench.traces_policies import DEFAULT_SEED, get_policy
 from bench.traces_tokens import message_body
+from cache.numerics import PREFILL_PRODUCTS
 from cache.store import StoreConfig, TieredStore
 
 DEFAULT_POLICIES = ("append", "mask-observations-2", "window-3", "dynamic-system", "rerank")
@@ -523,7 +524,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-products",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=PREFILL_PRODUCTS,
         help="the dtype prefill passes multiply in (kamera serve --prefill-products); every "
         "full prefill and cached request runs under it",
     )

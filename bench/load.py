@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from rich.table import Table
 
 from agent.tables import make_console, print_table
+from cache.numerics import PREFILL_PRODUCTS
 from tools.serve import free_port, wait_healthy
 
 WORDS = (
@@ -491,9 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown scenario {bad[0]!r}; one of {', '.join(SCENARIOS)}")
-    bad = [x for x in args.prefill_products if x not in ("", "float32", "bfloat16")]
+    bad = [x for x in args.prefill_products if x and x not in PREFILL_PRODUCTS]
     if bad:
-        p.error(f"unknown prefill products {bad[0]!r}; float32 or bfloat16")
+        p.error(f"unknown prefill products {bad[0]!r}; one of {', '.join(PREFILL_PRODUCTS)}")
     if args.requests < 1 or any(c < 1 for c in args.clients):
         p.error("--requests and --clients must be positive")
     out = run(args)

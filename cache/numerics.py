@@ -24,6 +24,10 @@ from functools import lru_cache
 
 import torch
 
+# the dtypes a prefill pass may multiply a text decoder's float32 weights in (float32 first: the
+# default, named nowhere in a key); see agent.adapters.decoder.DecoderAdapter.use_prefill_products
+PREFILL_PRODUCTS = ("float32", "bfloat16")
+
 
 def _build_setting(config: str, name: str) -> str:
     """A ``NAME=value`` of torch's build settings (``torch.__config__.show()``), "none" if absent."""

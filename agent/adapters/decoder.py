@@ -38,6 +38,7 @@ from agent.adapters.vision import VisionAdapter
 from cache.arena import KVArena
 from cache.keys import digest_key, image_key, token_key
 from cache.layout import ChunkKV, Family
+from cache.numerics import PREFILL_PRODUCTS
 from cache.rope import RopeSpec, unrotate
 from cache.window import ArenaDims
 
@@ -48,7 +49,6 @@ _IMAGE_KEYS_KEPT = 16384  # remembered image chunk keys (one short string each)
 PASS_MIN_ROWS = 12
 _pass = threading.local()
 PREFILL_WEIGHT = "_kamera_prefill_weight"  # a linear's weight in the prefill products' dtype
-PREFILL_PRODUCTS = ("float32", "bfloat16")
 INTERLEAVED_ARCHITECTURES = frozenset({"deepseek_v2", "deepseek_v3"})
 
 

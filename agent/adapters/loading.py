@@ -29,6 +29,7 @@ import torch
 
 from agent.adapters.base import ModelAdapter
 from cache.native import cache_dir
+from cache.numerics import PREFILL_PRODUCTS
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -150,8 +151,10 @@ def load_adapter(
     Checkpoints load once per process (once per products dtype) and the same adapter is
     returned again.
     """
-    if prefill_products not in ("float32", "bfloat16"):
-        raise ValueError(f"prefill products must be one of float32, bfloat16, got {prefill_products!r}")
+    if prefill_products not in PREFILL_PRODUCTS:
+        raise ValueError(
+            f"prefill products must be one of {', '.join(PREFILL_PRODUCTS)}, got {prefill_products!r}"
+        )
     if prefill_products != "float32" and dtype != torch.float32:
         raise ValueError(f"{prefill_products} prefill products need float32 weights, not {dtype}")
     if spec is not None and (spec == TINY or spec.startswith(TINY + ":")):
@@ -162,20 +165,10 @@ def load_adapter(
         adapter.model.to(device)  # type: ignore[attr-defined]
         adapter.tokenizer = tokenizer
         if prefill_products != "float32":
-            _products(adapter, prefill_products)
+            adapter.use_prefill_products(prefill_products)  # type: ignore[attr-defined]
         return adapter
     path = resolve(spec)
     return _load(str(path), dtype, device, _gguf_source(spec), prefill_products)
-
-
-def _products(adapter: ModelAdapter, products: str) -> None:
-    from agent.adapters.decoder import DecoderAdapter
-
-    if not isinstance(adapter, DecoderAdapter):
-        raise ValueError(
-            f"{products} prefill products are for text decoders, not {adapter.info.architecture}"
-        )
-    adapter.use_prefill_products(products)
 
 
 def _gguf_source(spec: str | None) -> str | None:

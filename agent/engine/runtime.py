@@ -38,6 +38,7 @@ from agent.grammar import GrammarEngine
 from agent.loop import Agent, Observation, StepResult
 from agent.modes import ReuseMode
 from agent.window_ops import WindowOp, apply
+from cache.numerics import PREFILL_PRODUCTS
 from cache.store import StoreConfig, TieredStore
 
 T = TypeVar("T")
@@ -71,8 +72,11 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.prefill_products not in ("float32", "bfloat16"):
-            raise ValueError(f"prefill products must be float32 or bfloat16, got {self.prefill_products!r}")
+        if self.prefill_products not in PREFILL_PRODUCTS:
+            raise ValueError(
+                f"prefill products must be one of {', '.join(PREFILL_PRODUCTS)}, "
+                f"got {self.prefill_products!r}"
+            )
         if self.prefill_products != "float32" and self.dtype != "float32":
             raise ValueError(
                 f"{self.prefill_products} prefill products need float32 weights, not {self.dtype}"

@@ -29,6 +29,7 @@ from agent.modes import (
     REPAIR_RESIDUAL_UNIT,
     REUSE_MODES,
 )
+from cache.numerics import PREFILL_PRODUCTS
 
 
 def _env(name: str, default: Any) -> Any:
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-products",
         default=_env("prefill_products", "float32"),
-        choices=["float32", "bfloat16"],
+        choices=PREFILL_PRODUCTS,
         help="the dtype prefill passes multiply a text decoder's float32 weights in (bfloat16: "
         "about 1.7x faster prefill on CPUs with bfloat16 dot products, other numerics; decode "
         "steps keep theirs)",
