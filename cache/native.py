@@ -115,6 +115,66 @@ def compile_shared(source: Path, name: str, flags: Sequence[str], folder: Path |
     return target
 
 
+class Kernel:
+    """A C source built on first use (:func:`compile_shared`) and loaded by ctypes, once per
+    process: :meth:`library` gives the loaded library, or ``None`` (logged once) where it cannot
+    be built or loaded; :meth:`require` raises :class:`NativeKernelError` saying why instead.
+
+    ``functions`` maps each exported function to its ``(argtypes, restype)``.
+    """
+
+    def __init__(
+        self,
+        source: Path,
+        name: str,
+        flags: Sequence[str],
+        functions: dict[str, tuple[list[Any], Any]],
+        fallback: str,
+    ) -> None:
+        self.source, self.name, self.flags, self.functions = source, name, list(flags), functions
+        self.fallback = fallback  # what callers do without it, for the log
+        self.lock = Lock()
+        self.tried = False
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        self.lock = Lock()
+
+    def build(self, folder: Path | None = None) -> Path:
+        return compile_shared(self.source, self.name, self.flags, folder)
+
+    def library(self) -> ctypes.CDLL | None:
+        with self.lock:
+            if not self.tried:
+                self.tried = True
+                try:
+                    lib = self._load()
+                    for fn, (argtypes, restype) in self.functions.items():
+                        getattr(lib, fn).argtypes = argtypes
+                        getattr(lib, fn).restype = restype
+                    self.lib = lib
+                except (NativeKernelError, OSError, AttributeError) as exc:
+                    self.error = str(exc)
+                    log.warning("native %s kernel unavailable, %s: %s", self.name, self.fallback, exc)
+            return self.lib
+
+    def _load(self) -> ctypes.CDLL:
+        path = self.build()
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # not a loadable object (damaged on disk): build again, once
+            return ctypes.CDLL(str(self.build()))
+
+    def require(self) -> ctypes.CDLL:
+        lib = self.library()
+        if lib is None:
+            raise NativeKernelError(f"the native {self.name} kernel is unavailable: {self.error}")
+        return lib
+
+
 class _Loaded:
     def __init__(self) -> None:
         self.lock = Lock()

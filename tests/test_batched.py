@@ -156,3 +156,51 @@ def test_the_batched_step_refuses_what_it_cannot_run(smollm2: Any, needle: list[
         batched.decode_rows(smollm2.model, [1, 2], [cache], [pos])
     with pytest.raises(ValueError, match="1 to"):
         batched.decode_rows(smollm2.model, [], [], [])
+
+
+def test_native_attention_is_sdpas_step(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
+    """The step's attention in one native call (cache/attend.py) gives the tokens of one SDPA
+    call per row, to float rounding in the logits."""
+    if batched.attend.library() is None:
+        pytest.skip("no native attention kernel here")
+    native = _decode_together(smollm2, [needle], steps=12)[0]
+    monkeypatch.setattr(batched, "NATIVE_ATTENTION", False)
+    sdpa = _decode_together(smollm2, [needle], steps=12)[0]
+    assert native[0] == sdpa[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(native[1], sdpa[1], strict=True)) < 1e-3
+
+
+def test_arena_rows_write_in_place_with_the_same_numbers(
+    smollm2: Any, needle: list[int], monkeypatch: Any
+) -> None:
+    """Rows on whole arenas take the step's new token written by the kernel (no per-row cache
+    update); their numbers are those of the same rows updated one by one, bit for bit."""
+    if batched.attend.library() is None:
+        pytest.skip("no native attention kernel here")
+    rng = random.Random(3)
+    prompts = [needle, _filler(smollm2, rng), _filler(smollm2, rng)]
+    in_place = _decode_together(smollm2, prompts, arena=True)
+    monkeypatch.setattr(batched._ArenaRows, "of", classmethod(lambda cls, per_layer: None))
+    updated = _decode_together(smollm2, prompts, arena=True)
+    for a, b in zip(in_place, updated, strict=True):
+        assert _same(a, b)
+
+
+def test_a_batch_dependent_attention_is_caught(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
+    """The inverse test for attention: a kernel whose scale drifts by one part in 10^6 when more
+    than four rows share the call fails the needle's comparison."""
+    if batched.attend.library() is None:
+        pytest.skip("no native attention kernel here")
+    alone = _decode_together(smollm2, [needle])[0]
+    real = batched.attend.attend_slots
+
+    def drifting(
+        q: torch.Tensor, table: Any, kv_heads: int, scale: float, *args: Any, **kw: Any
+    ) -> torch.Tensor:
+        return real(q, table, kv_heads, scale * (1 + 1e-6 * (q.shape[0] > 4)), *args, **kw)
+
+    monkeypatch.setattr(batched.attend, "attend_slots", drifting)
+    rng = random.Random(7)
+    together = _decode_together(smollm2, [needle, *(_filler(smollm2, rng) for _ in range(7))], arena=True)[0]
+    assert _decode_together(smollm2, [needle], arena=True)[0][0] == alone[0]
+    assert not _same(together, alone)

@@ -5,6 +5,14 @@ one pass cost little more than one. Each sequence keeps its own model cache (its
 length and positions): the row-wise parts of a layer (norms, projections, MLP, rotation) run on
 all rows together, and attention runs per sequence over that sequence's cache only.
 
+**Attention.** A float32 CPU step runs every row's attention of a layer in one native call
+(``cache/attend.py``: each row over its own cache, in one fixed order of operations), instead of
+one SDPA call per row and layer, whose fixed costs outweighed their arithmetic at 8 and more rows.
+Where every row's cache is a whole arena (the server's caches), the kernel also writes the new
+token's key and value into it, and each arena counts the token once after the step, instead of
+one cache update per row and layer. ``KAMERA_NATIVE_ATTENTION=0``, or a machine where the kernel
+cannot be built, keeps the per-row SDPA calls (other float32 rounding, the same invariance).
+
 **Batch invariance.** A row's result must not depend on what it was batched with. Row-wise
 elementwise work and per-sequence attention never mix rows; matrix products do not mix them
 either, but a BLAS picks its micro-kernel (and so the order of its sums) by the rows it is given:
@@ -36,19 +44,26 @@ Not here: which sequences share a step (``scheduler.py``), sampling (``generatio
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from agent.adapters.cache_layers import hf_layers
+from agent.adapters.cache_layers import hf_layers, whole_arena
+from cache import attend
+from cache.arena import KVArena
 
 ROW_BLOCK = 4  # rows in whole blocks of four: no row is computed by a GEMM's leftover-row kernel
 MAX_ROWS = 64  # checked invariant up to here (tests/test_batched.py)
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Attention of a float32 CPU step in one native call for all rows (cache/attend.py); off, or
+# where the kernel cannot be built, one SDPA call per row and layer.
+NATIVE_ATTENTION = os.environ.get("KAMERA_NATIVE_ATTENTION", "1") != "0"
 
 
 class Stepper(Protocol):
@@ -119,6 +134,56 @@ def rewind(cache: Any, marks: Sequence[int]) -> None:
         extra = layer.get_seq_length() - n
         if extra > 0:
             layer.crop(-extra)
+
+
+class _ArenaRows:
+    """A step's rows whose caches are whole arenas (``cache_layers.whole_arena``), one each: room
+    for the new token is made once, every layer's new key and value are written by the attention
+    kernel at the same slot, and the token is counted once the step has run every layer."""
+
+    def __init__(self, arenas: list[KVArena], layers: list[list[Any]]) -> None:
+        self.arenas, self.layers = arenas, layers
+        for arena in arenas:
+            arena.reserve(arena.lengths[0] + 1)  # may move the buffers: addresses are taken after
+        self.table = np.array(
+            [
+                [a.k.data_ptr() for a in arenas],
+                [a.v.data_ptr() for a in arenas],
+                [a.k.stride(1) for a in arenas],
+                [a.v.stride(1) for a in arenas],
+                [a.lengths[0] + 1 for a in arenas],
+            ],
+            dtype=np.int64,
+        )
+        self.layer_bytes = np.array(
+            [
+                [a.k.stride(0) * a.k.element_size() for a in arenas],
+                [a.v.stride(0) * a.v.element_size() for a in arenas],
+            ],
+            dtype=np.int64,
+        )
+
+    @classmethod
+    def of(cls, per_layer: list[list[Any]]) -> _ArenaRows | None:
+        arenas = [whole_arena(layers) for layers in per_layer]
+        if any(a is None or a.k.dtype != torch.float32 or a.k.stride(2) != a.k.shape[3] for a in arenas):
+            return None
+        if any(a.v.stride(2) != a.v.shape[3] or a.k.shape[3] != a.v.shape[3] for a in arenas):
+            return None
+        if len({id(a) for a in arenas}) != len(arenas):
+            return None
+        return cls(arenas, per_layer)  # type: ignore[arg-type]
+
+    def layer(self, i: int) -> np.ndarray:
+        table = self.table.copy()
+        table[:2] += i * self.layer_bytes
+        return table
+
+    def count(self) -> None:
+        for arena, layers in zip(self.arenas, self.layers, strict=True):
+            arena.lengths = [arena.lengths[0] + 1] * arena.n_layers
+            for layer in layers:
+                layer.refresh()
 
 
 def supports(model: Any) -> bool:
@@ -216,6 +281,13 @@ def decode_rows(
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     group = heads // kv_heads
     per_layer = [hf_layers(c) for c in caches]
+    native = (
+        NATIVE_ATTENTION
+        and h.dtype == torch.float32
+        and device.type == "cpu"
+        and attend.library() is not None
+    )
+    direct = _ArenaRows.of(per_layer) if native else None
     for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
         attn = layer.self_attn
         d = attn.head_dim
@@ -227,13 +299,23 @@ def decode_rows(
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         q, k = rotate(q, k, cos, sin, unsqueeze_dim=1)  # split-half rotation, per row's position
         out = torch.zeros(rows, heads * d, dtype=h.dtype, device=device)
-        for r in range(n):
-            keys, values = per_layer[r][i].update(k[r][None, :, None], v[r][None, :, None])
-            # query heads of one KV head are neighbours: [1, H_kv, group, D] against its cache
-            query = q[r].view(1, kv_heads, group, d)
-            o = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling)
-            out[r] = o.reshape(heads * d)
+        if direct is not None:  # the kernel writes each row's new token into its arena, then attends
+            attend.attend_slots(q[:n], direct.layer(i), kv_heads, attn.scaling, out[:n], (k[:n], v[:n]))
+            h = h + lin.o(i, out)
+            h = h + lin.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
+            continue
+        cached = [per_layer[r][i].update(k[r][None, :, None], v[r][None, :, None]) for r in range(n)]
+        if native:  # every row's heads in one call, in one fixed order (cache/attend.py)
+            attend.attend_rows(q[:n], [c[0] for c in cached], [c[1] for c in cached], attn.scaling, out[:n])
+        else:
+            for r, (keys, values) in enumerate(cached):
+                # query heads of one KV head are neighbours: [1, H_kv, group, D] against its cache
+                query = q[r].view(1, kv_heads, group, d)
+                o = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling)
+                out[r] = o.reshape(heads * d)
         h = h + lin.o(i, out)
         h = h + lin.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
+    if direct is not None:
+        direct.count()
     logits = lin.logits(base.norm(h))  # every row: the shape fixes the sums
     return logits[:n].float()

@@ -51,6 +51,10 @@ class ArenaLayer(DynamicLayer):
         self.arena.append(self.index, k[0], v[0], self.generation)
         return self._show()
 
+    def refresh(self) -> None:
+        """Show the arena's used tokens again (after tokens were written into it directly)."""
+        self._show()
+
     def get_seq_length(self) -> int:
         return self.arena.lengths[self.index]
 
@@ -90,3 +94,20 @@ def hf_layers(cache: ModelCache) -> list[Any]:
     if not isinstance(cache, Cache):
         raise TypeError(f"not a model cache of this adapter: {type(cache).__name__}")
     return cache.layers
+
+
+def whole_arena(layers: list[Any]) -> KVArena | None:
+    """The arena behind ``layers`` when they are its layers 0..L-1 in order (keys in the key slot),
+    of its current generation, each with the same tokens in use; else None. Such a cache can take
+    a step's new tokens written straight into the arena (``agent/adapters/batched.py``)."""
+    if not layers or not isinstance(layers[0], ArenaLayer):
+        return None
+    arena = layers[0].arena
+    if len(layers) != arena.n_layers or len(set(arena.lengths)) != 1:
+        return None
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, ArenaLayer) or layer.arena is not arena or layer.index != i:
+            return None
+        if layer.swap or layer.generation != arena.generation:
+            return None
+    return arena
