@@ -1,12 +1,17 @@
-"""Decode speed of the embedded model, its linear layers on the GGUF blocks against float32.
+"""Decode speed of the embedded model: the server's step against its linear layers in float32
+and against one attention call per row.
 
-One process, one loaded model: each round runs every batch size once with the products on the
-GGUF blocks (``agent/adapters/qlinear.py``) and once on the float32 weights, in alternating
-order, so that a slow spell on a shared machine falls on both. A batch of N rows is N sequences
-after short prompts (each prefilled through the adapter, float32 in both cases), then ``--steps``
-greedy decode steps through ``adapter.decode_rows``; the first two steps are left out. Reported
-per batch size and path: the median over rounds of the mean step time, and tokens per second
-(rows / step time). The single stream is the 1-row batch.
+One process, one loaded model: each round runs every batch size once on each path, in an order
+that turns each round, so that a slow spell on a shared machine falls on all of them. The paths:
+``gguf-blocks`` (as the server runs: products on the GGUF blocks, ``agent/adapters/qlinear.py``,
+and every row's attention in one native call writing into the rows' arenas,
+``cache/attend.py``), ``blocks-sdpa`` (the same products, one SDPA call and one cache update per
+row and layer) and ``float32`` (products on the float32 weights, native attention). A batch of N
+rows is N sequences after prompts of about ``--prompt-tokens`` tokens, each prefilled through the
+adapter into an arena as the server's are, then ``--steps`` greedy decode steps through
+``adapter.decode_rows``; the first two steps are left out. Reported per batch size and path: the
+median over rounds of the mean step time, and tokens per second (rows / step time). The single
+stream is the 1-row batch.
 
     kamera bench decode --rows 1,8,32 --rounds 3 --steps 24 --json decode.json
 """
@@ -23,17 +28,24 @@ from typing import Any
 
 import torch
 
+from agent.adapters import batched
 from agent.adapters.loading import load_adapter
+from cache import attend
+from cache.arena import KVArena
 
-PROMPT = "Question: which planet is known as the red planet? Answer in one short sentence. Note {i}.\nAnswer:"
+PROMPT = "Question: which planet is known as the red planet? Answer in one short sentence. Note {i}.\n"
 WARMUP = 2
 
 
-def _batch(adapter: Any, rows: int) -> tuple[list[int], list[Any], list[int]]:
+def _batch(adapter: Any, rows: int, steps: int, prompt_tokens: int) -> tuple[list[int], list[Any], list[int]]:
     tokens, caches, positions = [], [], []
+    d = adapter.arena_dims
     for i in range(rows):
-        ids = adapter.tokenizer(PROMPT.format(i=i), add_special_tokens=False)["input_ids"]
-        cache = adapter.empty_cache()
+        ids: list[int] = []
+        while len(ids) < prompt_tokens:
+            ids += adapter.tokenizer(PROMPT.format(i=i + len(ids)), add_special_tokens=False)["input_ids"]
+        ids = ids[:prompt_tokens]
+        cache = adapter.new_cache(KVArena(d.n_layers, d.k, d.v, len(ids) + WARMUP + steps, d.dtype, d.device))
         out = adapter.prefill(adapter.text(ids), cache, 0, placed=True, last_only=True)
         tokens.append(int(out.logits[-1].argmax()))
         caches.append(cache)
@@ -41,9 +53,9 @@ def _batch(adapter: Any, rows: int) -> tuple[list[int], list[Any], list[int]]:
     return tokens, caches, positions
 
 
-def step_seconds(adapter: Any, rows: int, steps: int) -> float:
+def step_seconds(adapter: Any, rows: int, steps: int, prompt_tokens: int = 32) -> float:
     """Mean seconds per decode step of ``rows`` sequences (after ``WARMUP`` steps)."""
-    tokens, caches, positions = _batch(adapter, rows)
+    tokens, caches, positions = _batch(adapter, rows, steps, prompt_tokens)
     start = 0.0
     for s in range(WARMUP + steps):
         if s == WARMUP:
@@ -60,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32", help="batch sizes (sequences per step)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per run")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=32, help="tokens in each row's cache before decoding"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -72,15 +87,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     sizes = [int(r) for r in args.rows.split(",")]
-    paths = {"gguf-blocks": quant, "float32": None}
+    paths = {"gguf-blocks": (quant, True), "blocks-sdpa": (quant, False), "float32": (None, True)}
     times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in sizes} for p in paths}
-    for r in range(args.rounds):
-        order = list(paths) if r % 2 == 0 else list(reversed(paths))
-        for n in sizes:
-            for p in order:
-                adapter.linears = paths[p]
-                times[p][n].append(step_seconds(adapter, n, args.steps))
-    adapter.linears = quant
+    names = list(paths)
+    try:
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in sizes:
+                for p in order:
+                    adapter.linears, batched.NATIVE_ATTENTION = paths[p]
+                    times[p][n].append(step_seconds(adapter, n, args.steps, args.prompt_tokens))
+    finally:
+        adapter.linears, batched.NATIVE_ATTENTION = quant, True
     results: dict[str, dict[str, dict[str, Any]]] = {
         p: {
             str(n): {
@@ -92,23 +110,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for p, by_rows in times.items()
     }
+    one = sizes[0]
     report = {
         "model": adapter.info.name,
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
         "steps": args.steps,
+        "prompt_tokens": args.prompt_tokens,
+        "native_attention": attend.library() is not None,
         "results": results,
+        # tokens/s of N rows over those of the first batch size, per path (the batching gain a
+        # step alone allows, before any prefill)
+        "gain": {
+            p: {
+                str(n): round(results[p][str(n)]["tokens_per_s"] / results[p][str(one)]["tokens_per_s"], 2)
+                for n in sizes
+            }
+            for p in paths
+        },
     }
-    print(
-        f"{'rows':>5} {'blocks ms':>10} {'blocks tok/s':>13} {'f32 ms':>8} {'f32 tok/s':>10} {'speedup':>8}"
-    )
+    print(f"{'rows':>5} " + " ".join(f"{p + ' ms':>16} {'tok/s':>7} {'gain':>6}" for p in paths))
     for n in sizes:
-        q, f = results["gguf-blocks"][str(n)], results["float32"][str(n)]
-        speedup = f["step_ms"] / q["step_ms"]
-        print(
-            f"{n:>5} {q['step_ms']:>10} {q['tokens_per_s']:>13} {f['step_ms']:>8} {f['tokens_per_s']:>10} "
-            f"{speedup:>7.2f}x"
-        )
+        cells = []
+        for p in paths:
+            row = results[p][str(n)]
+            cells.append(f"{row['step_ms']:>16} {row['tokens_per_s']:>7} {report['gain'][p][str(n)]:>5}x")
+        print(f"{n:>5} " + " ".join(cells))
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)
