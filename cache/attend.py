@@ -66,9 +66,9 @@ def library() -> ctypes.CDLL | None:
     return KERNEL.library()
 
 
-def _slots(t: torch.Tensor, name: str) -> tuple[int, int, int]:
-    """(address, floats from one head to the next, tokens) of a cache tensor ``[1?, H, T, D]``
-    whose tokens lie D floats apart."""
+def _laid_out(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A cache tensor ``[1?, H, T, D]`` as ``[H, T, D]`` float32 whose tokens lie D floats apart
+    (a copy only where they do not)."""
     if t.dim() == 4:
         if t.shape[0] != 1:
             raise ValueError(f"{name}: one sequence per cache, got a batch of {t.shape[0]}")
@@ -76,8 +76,8 @@ def _slots(t: torch.Tensor, name: str) -> tuple[int, int, int]:
     if t.dim() != 3 or t.dtype != torch.float32 or t.device.type != "cpu":
         raise ValueError(f"{name} must be CPU float32 [H, T, D], got {t.dtype} {tuple(t.shape)}")
     if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != t.shape[2]):
-        raise ValueError(f"{name}: tokens must lie D floats apart, got strides {t.stride()}")
-    return t.data_ptr(), t.stride(0), t.shape[1]
+        t = t.contiguous()
+    return t
 
 
 def attend_rows(
@@ -100,22 +100,24 @@ def attend_rows(
         raise ValueError(f"q must be CPU float32, got {q.dtype} on {q.device}")
     q = q.contiguous()
     table = np.empty((5, n), dtype=np.int64)  # key, value addresses; their head strides; lengths
+    held = []  # the tensors the addresses point into, alive until the call returns
     kv_heads = 0
     for r in range(n):
-        kp, ks, kt = _slots(keys[r], "keys")
-        vp, vs, vt = _slots(values[r], "values")
-        kh, vh = keys[r].shape[-3], values[r].shape[-3]
-        if kt != vt or kh != vh or keys[r].shape[-1] != d or values[r].shape[-1] != d or kt < 1:
+        k, v = _laid_out(keys[r], "keys"), _laid_out(values[r], "values")
+        held += [k, v]
+        if k.shape != v.shape or k.shape[-1] != d or k.shape[1] < 1:
             raise ValueError(
                 f"row {r}: keys {tuple(keys[r].shape)} and values {tuple(values[r].shape)} for d={d}"
             )
-        if kv_heads and kh != kv_heads:
-            raise ValueError(f"row {r} has {kh} KV heads, row 0 {kv_heads}")
-        kv_heads = kh
-        table[:, r] = (kp, vp, ks, vs, kt)
+        if kv_heads and k.shape[0] != kv_heads:
+            raise ValueError(f"row {r} has {k.shape[0]} KV heads, row 0 {kv_heads}")
+        kv_heads = k.shape[0]
+        table[:, r] = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.shape[1])
     if n and heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
-    return attend_slots(q, table, kv_heads, scale, out)
+    out = attend_slots(q, table, kv_heads, scale, out)
+    del held
+    return out
 
 
 def attend_slots(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from agent.adapters import batched
 from agent.adapters.loading import load_adapter
+from cache.arena import KVArena
 from cache.window import Placement, Window
 from tests._util import full_prefill
 
@@ -32,7 +33,11 @@ def _filler(adapter: Any, rng: random.Random) -> list[int]:
 
 
 def _decode_together(
-    adapter: Any, prompts: Sequence[list[int]], steps: int = STEPS, arena: bool = False
+    adapter: Any,
+    prompts: Sequence[list[int]],
+    steps: int = STEPS,
+    arena: bool = False,
+    room: int | None = None,
 ) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Greedy decoding of every prompt, all of them in each step's one batched pass: per prompt,
     the tokens and the logits of every step."""
@@ -42,7 +47,9 @@ def _decode_together(
         if arena:  # the same KV in a window's arena, as the prompt cache hands it over
             window = Window(adapter.spec, dims=adapter.arena_dims)
             kv = adapter.kv_tail(cache, adapter.text(ids), 0)
-            cache = adapter.new_cache(window.sync([Placement(kv, start=0)], len(ids) + steps))
+            cache = adapter.new_cache(
+                window.sync([Placement(kv, start=0)], len(ids) + (steps if room is None else room))
+            )
         states.append([cache, pos, [int(logits.argmax())], [logits]])
     for _ in range(steps):
         rows = adapter.decode_rows([s[2][-1] for s in states], [s[0] for s in states], [s[1] for s in states])
@@ -180,10 +187,34 @@ def test_arena_rows_write_in_place_with_the_same_numbers(
     rng = random.Random(3)
     prompts = [needle, _filler(smollm2, rng), _filler(smollm2, rng)]
     in_place = _decode_together(smollm2, prompts, arena=True)
+    grown = _decode_on_tight_arenas(smollm2, prompts)
     monkeypatch.setattr(batched._ArenaRows, "of", classmethod(lambda cls, per_layer: None))
     updated = _decode_together(smollm2, prompts, arena=True)
     for a, b in zip(in_place, updated, strict=True):
         assert _same(a, b)
+    assert _decode_on_tight_arenas(smollm2, prompts) == grown
+
+
+def _decode_on_tight_arenas(adapter: Any, prompts: Sequence[list[int]]) -> list[list[int]]:
+    """Greedy tokens of every prompt prefilled into an arena with room for one more token, so
+    that it grows during the steps (checked); then the arenas' KV, which must hold every token."""
+    d = adapter.arena_dims
+    states = []
+    for ids in prompts:
+        arena = KVArena(d.n_layers, d.k, d.v, len(ids) + 1, d.dtype, d.device)
+        cache = adapter.new_cache(arena)
+        out = adapter.prefill(adapter.text(ids), cache, 0, placed=True, last_only=True)
+        states.append([cache, len(ids), [int(out.logits[-1].argmax())], arena])
+    for _ in range(STEPS):
+        rows = adapter.decode_rows([s[2][-1] for s in states], [s[0] for s in states], [s[1] for s in states])
+        for s, row in zip(states, rows, strict=True):
+            s[1] += 1
+            s[2].append(int(row.argmax()))
+    for s, ids in zip(states, prompts, strict=True):
+        assert s[3].grows > 0
+        assert s[3].lengths == [len(ids) + STEPS] * d.n_layers
+        assert s[0].layers[0].keys.shape[2] == len(ids) + STEPS
+    return [s[2] for s in states]
 
 
 def test_a_batch_dependent_attention_is_caught(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:

@@ -143,8 +143,12 @@ class _ArenaRows:
 
     def __init__(self, arenas: list[KVArena], layers: list[list[Any]]) -> None:
         self.arenas, self.layers = arenas, layers
-        for arena in arenas:
+        for arena, rows in zip(arenas, layers, strict=True):
+            grows = arena.grows
             arena.reserve(arena.lengths[0] + 1)  # may move the buffers: addresses are taken after
+            if arena.grows != grows:
+                for layer in rows:  # the views show the new buffers at once
+                    layer.refresh()
         self.table = np.array(
             [
                 [a.k.data_ptr() for a in arenas],
