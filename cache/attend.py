@@ -10,7 +10,8 @@ query and its own cache only: bit for bit the same alone or among any others, wh
 number and lengths. The AVX-512 loop and the plain one give the same bits.
 
 Built and loaded like the other kernels (``cache.native.Kernel``); where it cannot be,
-:func:`library` returns ``None`` and ``agent/adapters/batched.py`` keeps one SDPA call per row.
+:func:`library` returns ``None``, and where the CPU has no AVX-512 (:func:`vectorised`),
+``agent/adapters/batched.py`` keeps one SDPA call per row.
 
 Not here: which rows share a step (``agent/engine/scheduler.py``), writing new tokens into caches
 (``agent/adapters/cache_layers.py``).
@@ -56,7 +57,7 @@ KERNEL = Kernel(
     "attend",
     # no contracted multiply-adds: every fused one is written out, the same on every path
     ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"],
-    {"kamera_attend_rows": (_ARGTYPES, ctypes.c_int)},
+    {"kamera_attend_rows": (_ARGTYPES, ctypes.c_int), "kamera_attend_vectorised": ([], ctypes.c_int)},
     "decoding with one attention call per sequence",
 )
 
@@ -64,6 +65,14 @@ KERNEL = Kernel(
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; ``None`` (logged once) where it cannot be."""
     return KERNEL.library()
+
+
+def vectorised() -> bool:
+    """Whether the kernel runs its AVX-512 loop on this CPU. Elsewhere it runs the plain loop
+    (the same bits, its fused multiply-adds through libm, many times slower than SDPA), so callers
+    that only want speed keep SDPA there."""
+    lib = KERNEL.library()
+    return lib is not None and bool(lib.kamera_attend_vectorised())
 
 
 def _laid_out(t: torch.Tensor, name: str) -> torch.Tensor:

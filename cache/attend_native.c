@@ -224,6 +224,15 @@ static int have_avx512(void) {
 }
 #endif
 
+/* 1 where the AVX-512 loop runs here, else 0 (the plain loop: the same bits, far slower). */
+int kamera_attend_vectorised(void) {
+#ifdef KAMERA_X86
+    return have_avx512();
+#else
+    return 0;
+#endif
+}
+
 /* rows: n; heads, kv_heads (heads % kv_heads == 0), d; q [n, heads, d] contiguous; keys[r],
  * values[r]: addresses of sequence r's first key / value of kv head 0; k_head[r], v_head[r]: floats
  * from one kv head to the next; lens[r]: tokens, the new one included; new_k, new_v: NULL, or the

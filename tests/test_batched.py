@@ -168,8 +168,8 @@ def test_the_batched_step_refuses_what_it_cannot_run(smollm2: Any, needle: list[
 def test_native_attention_is_sdpas_step(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
     """The step's attention in one native call (cache/attend.py) gives the tokens of one SDPA
     call per row, to float rounding in the logits."""
-    if batched.attend.library() is None:
-        pytest.skip("no native attention kernel here")
+    if not batched.attend.vectorised():
+        pytest.skip("the native attention kernel does not run on this CPU's decode steps")
     native = _decode_together(smollm2, [needle], steps=12)[0]
     monkeypatch.setattr(batched, "NATIVE_ATTENTION", False)
     sdpa = _decode_together(smollm2, [needle], steps=12)[0]
@@ -182,8 +182,8 @@ def test_arena_rows_write_in_place_with_the_same_numbers(
 ) -> None:
     """Rows on whole arenas take the step's new token written by the kernel (no per-row cache
     update); their numbers are those of the same rows updated one by one, bit for bit."""
-    if batched.attend.library() is None:
-        pytest.skip("no native attention kernel here")
+    if not batched.attend.vectorised():
+        pytest.skip("the native attention kernel does not run on this CPU's decode steps")
     rng = random.Random(3)
     prompts = [needle, _filler(smollm2, rng), _filler(smollm2, rng)]
     in_place = _decode_together(smollm2, prompts, arena=True)
@@ -220,8 +220,8 @@ def _decode_on_tight_arenas(adapter: Any, prompts: Sequence[list[int]]) -> list[
 def test_a_batch_dependent_attention_is_caught(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
     """The inverse test for attention: a kernel whose scale drifts by one part in 10^6 when more
     than four rows share the call fails the needle's comparison."""
-    if batched.attend.library() is None:
-        pytest.skip("no native attention kernel here")
+    if not batched.attend.vectorised():
+        pytest.skip("the native attention kernel does not run on this CPU's decode steps")
     alone = _decode_together(smollm2, [needle])[0]
     real = batched.attend.attend_slots
 
@@ -235,3 +235,14 @@ def test_a_batch_dependent_attention_is_caught(smollm2: Any, needle: list[int], 
     together = _decode_together(smollm2, [needle, *(_filler(smollm2, rng) for _ in range(7))], arena=True)[0]
     assert _decode_together(smollm2, [needle], arena=True)[0][0] == alone[0]
     assert not _same(together, alone)
+
+
+def test_without_the_vector_loop_the_step_keeps_sdpa(
+    smollm2: Any, needle: list[int], monkeypatch: Any
+) -> None:
+    """On a CPU where the attention kernel would run only its plain loop, the step takes one
+    SDPA call per row: the numbers of the switch turned off, bit for bit."""
+    monkeypatch.setattr(batched.attend, "vectorised", lambda: False)
+    without = _decode_together(smollm2, [needle], arena=True)[0]
+    monkeypatch.setattr(batched, "NATIVE_ATTENTION", False)
+    assert _same(_decode_together(smollm2, [needle], arena=True)[0], without)

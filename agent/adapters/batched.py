@@ -10,8 +10,9 @@ all rows together, and attention runs per sequence over that sequence's cache on
 one SDPA call per row and layer, whose fixed costs outweighed their arithmetic at 8 and more rows.
 Where every row's cache is a whole arena (the server's caches), the kernel also writes the new
 token's key and value into it, and each arena counts the token once after the step, instead of
-one cache update per row and layer. ``KAMERA_NATIVE_ATTENTION=0``, or a machine where the kernel
-cannot be built, keeps the per-row SDPA calls (other float32 rounding, the same invariance).
+one cache update per row and layer. ``KAMERA_NATIVE_ATTENTION=0``, a machine where the kernel
+cannot be built, or a CPU without AVX-512 (where only the kernel's slow plain loop would run)
+keeps the per-row SDPA calls (other float32 rounding, the same invariance).
 
 **Batch invariance.** A row's result must not depend on what it was batched with. Row-wise
 elementwise work and per-sequence attention never mix rows; matrix products do not mix them
@@ -61,8 +62,8 @@ from cache.arena import KVArena
 ROW_BLOCK = 4  # rows in whole blocks of four: no row is computed by a GEMM's leftover-row kernel
 MAX_ROWS = 64  # checked invariant up to here (tests/test_batched.py)
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# Attention of a float32 CPU step in one native call for all rows (cache/attend.py); off, or
-# where the kernel cannot be built, one SDPA call per row and layer.
+# Attention of a float32 CPU step in one native call for all rows (cache/attend.py); off, where
+# the kernel cannot be built or where it has no AVX-512 loop, one SDPA call per row and layer.
 NATIVE_ATTENTION = os.environ.get("KAMERA_NATIVE_ATTENTION", "1") != "0"
 
 
@@ -285,12 +286,7 @@ def decode_rows(
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     group = heads // kv_heads
     per_layer = [hf_layers(c) for c in caches]
-    native = (
-        NATIVE_ATTENTION
-        and h.dtype == torch.float32
-        and device.type == "cpu"
-        and attend.library() is not None
-    )
+    native = NATIVE_ATTENTION and h.dtype == torch.float32 and device.type == "cpu" and attend.vectorised()
     direct = _ArenaRows.of(per_layer) if native else None
     for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
         attn = layer.self_attn
