@@ -191,6 +191,30 @@ class _ArenaRows:
                 layer.refresh()
 
 
+def _attend_updated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layers: list[Any],
+    scale: float,
+    out: torch.Tensor,
+    native: bool,
+) -> None:
+    """Each row's cache layer takes the row's new key and value (``update``), then the rows
+    attend over their caches into ``out``: in one native call, or one SDPA call per row."""
+    n, heads, d = len(layers), q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    cached = [layer.update(k[r][None, :, None], v[r][None, :, None]) for r, layer in enumerate(layers)]
+    if native:  # every row's heads in one call, in one fixed order (cache/attend.py)
+        attend.attend_rows(q[:n], [c[0] for c in cached], [c[1] for c in cached], scale, out[:n])
+        return
+    for r, (keys, values) in enumerate(cached):
+        # query heads of one KV head are neighbours: [1, H_kv, group, D] against its cache
+        query = q[r].view(1, kv_heads, heads // kv_heads, d)
+        o = F.scaled_dot_product_attention(query, keys, values, scale=scale)
+        out[r] = o.reshape(heads * d)
+
+
 def supports(model: Any) -> bool:
     """Whether :func:`decode_rows` can run ``model`` (a transformers causal LM)."""
     cfg = model.config.get_text_config()
@@ -284,7 +308,6 @@ def decode_rows(
     cos, sin = cos[0], sin[0]
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    group = heads // kv_heads
     per_layer = [hf_layers(c) for c in caches]
     native = NATIVE_ATTENTION and h.dtype == torch.float32 and device.type == "cpu" and attend.vectorised()
     direct = _ArenaRows.of(per_layer) if native else None
@@ -301,18 +324,8 @@ def decode_rows(
         out = torch.zeros(rows, heads * d, dtype=h.dtype, device=device)
         if direct is not None:  # the kernel writes each row's new token into its arena, then attends
             attend.attend_slots(q[:n], direct.layer(i), kv_heads, attn.scaling, out[:n], (k[:n], v[:n]))
-            h = h + lin.o(i, out)
-            h = h + lin.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
-            continue
-        cached = [per_layer[r][i].update(k[r][None, :, None], v[r][None, :, None]) for r in range(n)]
-        if native:  # every row's heads in one call, in one fixed order (cache/attend.py)
-            attend.attend_rows(q[:n], [c[0] for c in cached], [c[1] for c in cached], attn.scaling, out[:n])
         else:
-            for r, (keys, values) in enumerate(cached):
-                # query heads of one KV head are neighbours: [1, H_kv, group, D] against its cache
-                query = q[r].view(1, kv_heads, group, d)
-                o = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling)
-                out[r] = o.reshape(heads * d)
+            _attend_updated(q, k, v, [layers[i] for layers in per_layer], attn.scaling, out, native)
         h = h + lin.o(i, out)
         h = h + lin.mlp(i, layer.mlp, layer.post_attention_layernorm(h))
     if direct is not None:
