@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "prompt_tokens": args.prompt_tokens,
-        "native_attention": attend.library() is not None,
+        "native_attention": attend.vectorised(),  # whether the server's step takes the native call here
         "results": results,
         # tokens/s of N rows over those of the first batch size, per path (the batching gain a
         # step alone allows, before any prefill)

@@ -9,7 +9,9 @@ tokens), in one fixed order of operations (see the C file), so a row's result de
 query and its own cache only: bit for bit the same alone or among any others, whatever their
 number and lengths. The AVX-512 loop and the plain one give the same bits.
 
-Built and loaded like the other kernels (``cache.native.Kernel``); where it cannot be,
+Built like the rotation and product kernels (``cache.native.compile_shared``) and loaded by
+``cache.native.Kernel`` (which those two do not use yet: they keep their own loaders); where it
+cannot be,
 :func:`library` returns ``None``, and where the CPU has no AVX-512 (:func:`vectorised`),
 ``agent/adapters/batched.py`` keeps one SDPA call per row.
 
