@@ -87,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     sizes = [int(r) for r in args.rows.split(",")]
-    paths = {"gguf-blocks": (quant, True), "blocks-sdpa": (quant, False), "float32": (None, True)}
+    served = batched.NATIVE_ATTENTION  # as the server runs it (KAMERA_NATIVE_ATTENTION)
+    paths = {"gguf-blocks": (quant, served), "blocks-sdpa": (quant, False), "float32": (None, served)}
     times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in sizes} for p in paths}
     names = list(paths)
     try:
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     adapter.linears, batched.NATIVE_ATTENTION = paths[p]
                     times[p][n].append(step_seconds(adapter, n, args.steps, args.prompt_tokens))
     finally:
-        adapter.linears, batched.NATIVE_ATTENTION = quant, True
+        adapter.linears, batched.NATIVE_ATTENTION = quant, served
     results: dict[str, dict[str, dict[str, Any]]] = {
         p: {
             str(n): {
@@ -117,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "prompt_tokens": args.prompt_tokens,
-        "native_attention": attend.vectorised(),  # whether the server's step takes the native call here
+        "native_attention": served
+        and attend.vectorised(),  # whether the server's step takes the native call here
         "results": results,
         # tokens/s of N rows over those of the first batch size, per path (the batching gain a
         # step alone allows, before any prefill)
