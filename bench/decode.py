@@ -4,9 +4,11 @@ and against one attention call per row.
 One process, one loaded model: each round runs every batch size once on each path, in an order
 that turns each round, so that a slow spell on a shared machine falls on all of them. The paths:
 ``gguf-blocks`` (as the server runs: products on the GGUF blocks, ``agent/adapters/qlinear.py``,
-and every row's attention in one native call writing into the rows' arenas,
-``cache/attend.py``), ``blocks-sdpa`` (the same products, one SDPA call and one cache update per
-row and layer) and ``float32`` (products on the float32 weights, native attention). A batch of N
+on int8 activations where the CPU has VNNI unless ``KAMERA_DECODE_PRODUCTS=float32``, and every
+row's attention in one native call writing into the rows' arenas, ``cache/attend.py``),
+``blocks-f32-products`` (the block products on float32 activations, ``cache/qmatmul.py``),
+``blocks-sdpa`` (the server's products, one SDPA call and one cache update per row and layer)
+and ``float32`` (products on the float32 weights, native attention). A batch of N
 rows is N sequences after prompts of about ``--prompt-tokens`` tokens, each prefilled through the
 adapter into an arena as the server's are, then ``--steps`` greedy decode steps through
 ``adapter.decode_rows``; the first two steps are left out. Reported per batch size and path: the
@@ -28,9 +30,9 @@ from typing import Any
 
 import torch
 
-from agent.adapters import batched
+from agent.adapters import batched, qlinear
 from agent.adapters.loading import load_adapter
-from cache import attend
+from cache import attend, qdot
 from cache.arena import KVArena
 
 PROMPT = "Question: which planet is known as the red planet? Answer in one short sentence. Note {i}.\n"
@@ -88,7 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     sizes = [int(r) for r in args.rows.split(",")]
     served = batched.NATIVE_ATTENTION  # as the server runs it (KAMERA_NATIVE_ATTENTION)
-    paths = {"gguf-blocks": (quant, served), "blocks-sdpa": (quant, False), "float32": (None, served)}
+    int8 = qlinear.INT8_PRODUCTS  # as the server runs it (KAMERA_DECODE_PRODUCTS)
+    # linears, native attention, int8 activations
+    paths = {
+        "gguf-blocks": (quant, served, int8),
+        "blocks-f32-products": (quant, served, False),
+        "blocks-sdpa": (quant, False, int8),
+        "float32": (None, served, int8),
+    }
     times: dict[str, dict[int, list[float]]] = {p: {n: [] for n in sizes} for p in paths}
     names = list(paths)
     try:
@@ -96,10 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = names[r % len(names) :] + names[: r % len(names)]
             for n in sizes:
                 for p in order:
-                    adapter.linears, batched.NATIVE_ATTENTION = paths[p]
+                    adapter.linears, batched.NATIVE_ATTENTION, qlinear.INT8_PRODUCTS = paths[p]
                     times[p][n].append(step_seconds(adapter, n, args.steps, args.prompt_tokens))
     finally:
-        adapter.linears, batched.NATIVE_ATTENTION = quant, served
+        adapter.linears, batched.NATIVE_ATTENTION, qlinear.INT8_PRODUCTS = quant, served, int8
     results: dict[str, dict[str, dict[str, Any]]] = {
         p: {
             str(n): {
@@ -120,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "native_attention": served
         and attend.vectorised(),  # whether the server's step takes the native call here
+        "int8_products": int8 and qdot.vectorised(),  # whether the server's products take int8 here
         "results": results,
         # tokens/s of N rows over those of the first batch size, per path (the batching gain a
         # step alone allows, before any prefill)

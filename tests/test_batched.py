@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agent.adapters import batched
+from agent.adapters import batched, qlinear
 from agent.adapters.loading import load_adapter
 from cache.arena import KVArena
 from cache.window import Placement, Window
@@ -69,9 +69,11 @@ def needle(smollm2: Any) -> list[int]:
     return smollm2.tokenizer(NEEDLE, add_special_tokens=False)["input_ids"]
 
 
-def test_a_batched_step_is_the_models_own_step(smollm2: Any, needle: list[int]) -> None:
+def test_a_batched_step_is_the_models_own_step(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
     """The lean batched step computes what the model's own forward computes (to float rounding),
-    and the same greedy tokens; its cache ends as long."""
+    and the same greedy tokens, with the block products on float32 activations (int8 ones are
+    checked against their own reference in tests/test_qdot.py); its cache ends as long."""
+    monkeypatch.setattr(qlinear, "INT8_PRODUCTS", False)
     assert batched.supports(smollm2.model)
     ours = _decode_together(smollm2, [needle])[0]
     cache, logits, pos = full_prefill(smollm2, needle)
@@ -167,9 +169,11 @@ def test_the_batched_step_refuses_what_it_cannot_run(smollm2: Any, needle: list[
 
 def test_native_attention_is_sdpas_step(smollm2: Any, needle: list[int], monkeypatch: Any) -> None:
     """The step's attention in one native call (cache/attend.py) gives the tokens of one SDPA
-    call per row, to float rounding in the logits."""
+    call per row, to float rounding in the logits (float32 activations into the products: int8
+    ones would turn a rounding difference into a whole step of the quantised input)."""
     if not batched.attend.vectorised():
         pytest.skip("the native attention kernel does not run on this CPU's decode steps")
+    monkeypatch.setattr(qlinear, "INT8_PRODUCTS", False)
     native = _decode_together(smollm2, [needle], steps=12)[0]
     monkeypatch.setattr(batched, "NATIVE_ATTENTION", False)
     sdpa = _decode_together(smollm2, [needle], steps=12)[0]

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.adapters import batched
+from agent.adapters import batched, qlinear
 from bench import decode
+from cache import qdot
 
 
 def test_the_decode_bench_measures_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = batched.NATIVE_ATTENTION
+    before, int8 = batched.NATIVE_ATTENTION, qlinear.INT8_PRODUCTS
     out = tmp_path / "decode.json"
     assert (
         decode.main(
@@ -21,7 +22,7 @@ def test_the_decode_bench_measures_every_path(tmp_path: Path, capsys: pytest.Cap
         == 0
     )
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"gguf-blocks", "blocks-sdpa", "float32"}
+    assert set(report["results"]) == {"gguf-blocks", "blocks-f32-products", "blocks-sdpa", "float32"}
     for path, by_rows in report["results"].items():
         assert set(by_rows) == {"1", "3"}, path
         for rows, row in by_rows.items():
@@ -29,5 +30,7 @@ def test_the_decode_bench_measures_every_path(tmp_path: Path, capsys: pytest.Cap
             assert row["tokens_per_s"] == pytest.approx(int(rows) * 1e3 / row["step_ms"], rel=0.02)
         assert report["gain"][path]["1"] == 1.0
     assert report["prompt_tokens"] == 12
-    assert batched.NATIVE_ATTENTION is before  # the switch is back as the server runs it
+    assert batched.NATIVE_ATTENTION is before  # the switches are back as the server runs them
+    assert qlinear.INT8_PRODUCTS is int8
+    assert report["int8_products"] == (int8 and qdot.vectorised())
     assert "gguf-blocks ms" in capsys.readouterr().out

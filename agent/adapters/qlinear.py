@@ -14,9 +14,15 @@ the file's order, and checked again at every load.
 
 Linears that read the same input run as one product: q, k and v; gate and up.
 
-Not here: prefill (float32 products in torch: many rows, bound by compute), the kernel
-(``cache/qmatmul.py``), which sequences share a step (``batched.py``). ``KAMERA_QUANT_DECODE=0``
-turns this off.
+Where the CPU has AVX-512 VNNI the products take the activations quantised to int8 in blocks of
+32 and sum them with the blocks' integer codes (``cache/qdot.py``), as llama.cpp's CPU products
+do: at a few rows these are bound by float32 multiply-adds, and the integer products do four per
+lane and instruction. ``KAMERA_DECODE_PRODUCTS=float32`` keeps the float32 block products
+(``INT8_PRODUCTS``). Either way a row's numbers do not depend on the other rows of the step.
+
+Not here: prefill (float32 products in torch: many rows, bound by compute), the kernels
+(``cache/qmatmul.py``, ``cache/qdot.py``), which sequences share a step (``batched.py``).
+``KAMERA_QUANT_DECODE=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from cache import qmatmul
+from cache import qdot, qmatmul
 from cache.qmatmul import BLOCK, BLOCK_BYTES, QWeight
 
 log = logging.getLogger(__name__)
 
 ENV = "KAMERA_QUANT_DECODE"
+PRODUCTS_ENV = "KAMERA_DECODE_PRODUCTS"
+DECODE_PRODUCTS = ("int8", "float32")  # activations quantised to int8 where the CPU has VNNI, or not
 BLOCKS_FILE = "gguf-blocks.safetensors"
 HEAD_TENSORS = ("output.weight", "token_embd.weight")  # an untied head, else the tied embedding
 
@@ -48,6 +56,24 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _products_from_env() -> str:
+    value = os.environ.get(PRODUCTS_ENV, "int8").strip().lower()
+    if value not in DECODE_PRODUCTS:
+        raise ValueError(f"{PRODUCTS_ENV} must be one of {', '.join(DECODE_PRODUCTS)}, got {value!r}")
+    return value
+
+
+# Whether decode products quantise their activations to int8 (``KAMERA_DECODE_PRODUCTS``); read at
+# every call, so a benchmark can run both in one process. Only where the integer kernel runs its
+# vector loop: its plain loop is slower than the float32 block products.
+INT8_PRODUCTS = _products_from_env() == "int8"
+
+
+def int8_products() -> bool:
+    """Whether a decode step's block products run on int8 activations here and now."""
+    return INT8_PRODUCTS and qdot.vectorised()
+
+
 class SharedInput:
     """Linears that read one input ``[rows, k]``: those with checked blocks as one quantised
     product (row-independent), the others through their own float32 module."""
@@ -55,6 +81,7 @@ class SharedInput:
     def __init__(self, modules: Sequence[nn.Linear], blocks: Sequence[QWeight | None]) -> None:
         kept = [b for b in blocks if b is not None]
         self.weight = _stack(kept) if kept else None
+        self._packed: qdot.QPacked | None = None  # the weight for the integer kernel, made once
         self.parts: list[tuple[nn.Linear, int, int, bool]] = []  # module, out slice, on the kernel
         at = 0
         for module, b in zip(modules, blocks, strict=True):
@@ -65,8 +92,18 @@ class SharedInput:
                 at += b.n_out
         self.complete = len(kept) == len(modules)
 
+    def packed(self) -> qdot.QPacked | None:
+        if self._packed is None and self.weight is not None:
+            self._packed = qdot.pack(self.weight)
+        return self._packed
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        y = qmatmul.matmul(x, self.weight) if self.weight is not None else None
+        if self.weight is None:
+            y = None
+        elif int8_products():
+            y = qdot.matmul(x, self.packed())
+        else:
+            y = qmatmul.matmul(x, self.weight)
         out = []
         for module, lo, hi, quant in self.parts:
             if not quant or y is None:
@@ -118,6 +155,13 @@ class QuantDecode:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x)[0]
+
+    def pack(self) -> None:
+        """Every product's weight packed for the integer kernel (``cache/qdot.py``)."""
+        for layer in self.layers:
+            for shared in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                shared.packed()
+        self.head.packed()
 
 
 def read_gguf_blocks(gguf: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -238,7 +282,10 @@ def build(model: Any, blocks: dict[str, torch.Tensor], kinds: dict[str, str]) ->
         )
     head = model.get_output_embeddings()
     name = next((n for n in HEAD_TENSORS if n in blocks), HEAD_TENSORS[0])
-    return QuantDecode(tuple(layers), SharedInput([head], [match(head, name, blocks, kinds)]))
+    quant = QuantDecode(tuple(layers), SharedInput([head], [match(head, name, blocks, kinds)]))
+    if int8_products():
+        quant.pack()  # at load, not in a request's first step
+    return quant
 
 
 def attach(model: Any, folder: Path, gguf: Path) -> QuantDecode | None:
