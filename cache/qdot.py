@@ -24,7 +24,7 @@ import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Lock
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,11 +43,8 @@ KERNEL = Kernel(
     # no contracted multiply-adds: each block's float steps are rounded as written, on every path
     ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"],
     {
-        # codes, scales, kind, n_out, k, q, dx, sx, qsum, rows, y, y row stride, vector cap
-        "kamera_qdot_f32": (
-            [_PTR, _PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _INT],
-            _INT,
-        ),
+        # codes, scales, kind, n_out, k, x, x row stride, rows, y, y row stride, vector cap
+        "kamera_qdot_f32": ([_PTR, _PTR, _INT, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
         # x, x row stride, rows, k, q, dx, sx, qsum
         "kamera_qdot_quantise": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR], _INT),
         "kamera_qdot_vectorised": ([], _INT),
@@ -166,27 +163,29 @@ class _Pool:
 _POOL = _Pool()
 
 
-def matmul(x: torch.Tensor | Quantised, w: QPacked, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` with x's rows quantised to int8 (``x`` float32 ``[rows, k]`` or already
-    :func:`quantise`-d, so that products sharing an input quantise it once): ``[rows, n_out]``
-    float32, into ``out`` when given (any row stride, unit feature stride).
+def matmul(x: torch.Tensor, w: QPacked, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` with x's rows quantised to int8 as :func:`quantise` does (in the same call):
+    x float32 ``[rows, k]`` (unit feature stride), ``[rows, n_out]`` float32 out, into ``out``
+    when given (any row stride, unit feature stride).
 
     Each output row depends on its input row only, bit for bit. Raises
     :class:`NativeKernelError` when the kernel is unavailable, ValueError on wrong shapes.
     """
     lib = KERNEL.require()
-    xq = x if isinstance(x, Quantised) else quantise(x)
-    rows, k = xq.q.shape
-    if k != w.k:
-        raise ValueError(f"x has {k} features, the weight {w.k}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be CPU float32 [rows, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] != w.k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {w.k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, w.n_out, dtype=torch.float32)
     elif out.shape != (rows, w.n_out) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{rows}, {w.n_out}] with a unit feature stride")
     code_step, scale_step = w.codes[0].numel(), w.scales[0].numel() * 2  # bytes per group
-    cp, sp, yp = w.codes.data_ptr(), w.scales.data_ptr(), out.data_ptr()
-    args: tuple[Any, ...] = (xq.q.data_ptr(), xq.dx.data_ptr(), xq.sx.data_ptr(), xq.qsum.data_ptr(), rows)
-    ys = out.stride(0)
+    cp, sp, xp, yp = w.codes.data_ptr(), w.scales.data_ptr(), x.data_ptr(), out.data_ptr()
+    xs, ys = x.stride(0), out.stride(0)
 
     def part(g0: int, g1: int) -> None:
         lo, hi = g0 * GROUP, min(g1 * GROUP, w.n_out)
@@ -196,7 +195,9 @@ def matmul(x: torch.Tensor | Quantised, w: QPacked, out: torch.Tensor | None = N
             w.kind,
             hi - lo,
             w.k,
-            *args,
+            xp,
+            xs,
+            rows,
             yp + lo * 4,
             ys,
             VECTOR_LIMIT,

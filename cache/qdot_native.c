@@ -150,9 +150,9 @@ static void rows_plain(int kind, const uint8_t *codes, const uint16_t *scales, i
 #ifdef KAMERA_X86
 /* One group (16 outputs) for up to RT rows: each block's codes unpacked once into eight vectors
  * of 16 lanes x 4 codes, then every row's four codes at a time broadcast against them. */
-VNNI static void group_vnni(int kind, const uint8_t *codes, const uint16_t *scales, int64_t nb,
-                            const int8_t *q, const float *dx, const float *sx, const int32_t *qsum,
-                            int nr, float *y, int64_t ys, int n_store) {
+VNNI static inline __attribute__((always_inline)) void group_vnni(
+    int kind, const uint8_t *codes, const uint16_t *scales, int64_t nb, const int8_t *q, const float *dx,
+    const float *sx, const int32_t *qsum, const int nr, float *y, int64_t ys, int n_store) {
     const int64_t cb = code_bytes(kind), sc = scale_count(kind);
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[RT];
@@ -202,6 +202,33 @@ VNNI static void group_vnni(int kind, const uint8_t *codes, const uint16_t *scal
     }
 }
 
+/* group_vnni compiled for each count of rows, so that the accumulators stay in registers */
+#define ROWS_CASE(n)                                                                   \
+    case n:                                                                            \
+        group_vnni(kind, codes, scales, nb, q, dx, sx, qsum, n, y, ys, n_store);       \
+        break;
+VNNI static void group_rows(int kind, const uint8_t *codes, const uint16_t *scales, int64_t nb,
+                            const int8_t *q, const float *dx, const float *sx, const int32_t *qsum,
+                            int nr, float *y, int64_t ys, int n_store) {
+    switch (nr) {
+        ROWS_CASE(1)
+        ROWS_CASE(2)
+        ROWS_CASE(3)
+        ROWS_CASE(4)
+        ROWS_CASE(5)
+        ROWS_CASE(6)
+        ROWS_CASE(7)
+        ROWS_CASE(8)
+        ROWS_CASE(9)
+        ROWS_CASE(10)
+        ROWS_CASE(11)
+        ROWS_CASE(12)
+    default:
+        break;
+    }
+}
+#undef ROWS_CASE
+
 VNNI static void rows_vnni(int kind, const uint8_t *codes, const uint16_t *scales, int64_t n_out,
                            int64_t nb, const int8_t *q, const float *dx, const float *sx,
                            const int32_t *qsum, int64_t n_rows, float *y, int64_t ys) {
@@ -210,7 +237,7 @@ VNNI static void rows_vnni(int kind, const uint8_t *codes, const uint16_t *scale
         const int n_store = n_out - g * G < G ? (int)(n_out - g * G) : G;
         for (int64_t r0 = 0; r0 < n_rows; r0 += RT) {
             const int nr = n_rows - r0 < RT ? (int)(n_rows - r0) : RT;
-            group_vnni(kind, codes + g * nb * cb, scales + g * nb * sc, nb, q + r0 * nb * QK,
+            group_rows(kind, codes + g * nb * cb, scales + g * nb * sc, nb, q + r0 * nb * QK,
                        dx + r0 * nb, sx + r0 * nb, qsum + r0 * nb, nr, y + r0 * ys + g * G, ys, n_store);
         }
     }
@@ -240,22 +267,34 @@ int kamera_qdot_quantise(const float *x, int64_t x_stride, int64_t n_rows, int64
 }
 
 /* y[r, j0 + j] for j < n_out over groups starting at output j0 (a multiple of 16): codes and
- * scales point at group j0 / 16. Returns 0, or -1 for an unknown block type or sizes. */
+ * scales point at group j0 / 16; x's rows quantised as by kamera_qdot_quantise. Returns 0, or -1
+ * for an unknown block type or sizes, -2 when out of memory. */
 int kamera_qdot_f32(const uint8_t *codes, const uint16_t *scales, int kind, int64_t n_out, int64_t k,
-                    const int8_t *q, const float *dx, const float *sx, const int32_t *qsum,
-                    int64_t n_rows, float *y, int64_t y_stride, int limit) {
+                    const float *x, int64_t x_stride, int64_t n_rows, float *y, int64_t y_stride,
+                    int limit) {
     if (code_bytes(kind) == 0 || k <= 0 || k % QK || n_out < 0 || n_rows < 0) {
         return -1;
     }
     const int64_t nb = k / QK;
+    /* codes, then dx, sx and the sums of codes per block (4-byte aligned after the codes) */
+    char *buf = malloc((size_t)(n_rows * k + 3 * n_rows * nb * 4 + 4));
+    if (buf == NULL) {
+        return -2;
+    }
+    int8_t *q = (int8_t *)buf;
+    float *dx = (float *)(buf + n_rows * k), *sx = dx + n_rows * nb;
+    int32_t *qsum = (int32_t *)(sx + n_rows * nb);
+    kamera_qdot_quantise(x, x_stride, n_rows, k, q, dx, sx, qsum);
 #ifdef KAMERA_X86
     if (limit < 2 && kamera_qdot_vectorised()) {
         rows_vnni(kind, codes, scales, n_out, nb, q, dx, sx, qsum, n_rows, y, y_stride);
+        free(buf);
         return 0;
     }
 #else
     (void)limit;
 #endif
     rows_plain(kind, codes, scales, n_out, nb, q, dx, sx, qsum, n_rows, y, y_stride);
+    free(buf);
     return 0;
 }
