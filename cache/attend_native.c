@@ -143,6 +143,37 @@ T512 INLINE __m512 exp512(__m512 x) { /* exp_plain, lane by lane */
     return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e));
 }
 
+/* The weighted values of hn query heads (1 to 4, a constant where inlined) of d = 64: each value
+ * row read once for all of them, 4 x hn accumulators in registers; per element the same fused
+ * multiply-adds in order of j, then the division, as in the general loop below. */
+T512 INLINE void values64(const float *v, int64_t len, const float *s, int64_t s_stride, const int hn,
+                          float *out) {
+    __m512 o[4][4];
+    for (int h = 0; h < hn; h++) {
+        for (int c = 0; c < 4; c++) {
+            o[h][c] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t j = 0; j < len; j++) {
+        const float *vj = v + j * 4 * LANES;
+        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + LANES);
+        const __m512 v2 = _mm512_loadu_ps(vj + 2 * LANES), v3 = _mm512_loadu_ps(vj + 3 * LANES);
+        for (int h = 0; h < hn; h++) {
+            const __m512 p = _mm512_set1_ps(s[h * s_stride + j]);
+            o[h][0] = _mm512_fmadd_ps(p, v0, o[h][0]);
+            o[h][1] = _mm512_fmadd_ps(p, v1, o[h][1]);
+            o[h][2] = _mm512_fmadd_ps(p, v2, o[h][2]);
+            o[h][3] = _mm512_fmadd_ps(p, v3, o[h][3]);
+        }
+    }
+    for (int h = 0; h < hn; h++) {
+        const __m512 lv = _mm512_set1_ps(s[h * s_stride + len]);
+        for (int c = 0; c < 4; c++) {
+            _mm512_storeu_ps(out + h * 4 * LANES + c * LANES, _mm512_div_ps(o[h][c], lv));
+        }
+    }
+}
+
 /* The query heads of one KV head (g of them, q and out g * d floats) over its keys: each key read
  * once for all of them, four keys' dot products at a time (independent chains; each key's own
  * sum is the lanes' fixed order), and the output accumulated for up to 256 floats of d in
@@ -192,6 +223,25 @@ T512 static void group_avx512(const float *q, const float *k, const float *v, in
             l += sh[j];
         }
         sh[len] = l;
+    }
+    if (d == 4 * LANES) { /* the common head size: every head's accumulators in registers */
+        for (int64_t h0 = 0; h0 < g; h0 += 4) {
+            switch (g - h0 < 4 ? g - h0 : 4) {
+            case 1:
+                values64(v, len, s + h0 * (len + LANES), len + LANES, 1, out + h0 * d);
+                break;
+            case 2:
+                values64(v, len, s + h0 * (len + LANES), len + LANES, 2, out + h0 * d);
+                break;
+            case 3:
+                values64(v, len, s + h0 * (len + LANES), len + LANES, 3, out + h0 * d);
+                break;
+            default:
+                values64(v, len, s + h0 * (len + LANES), len + LANES, 4, out + h0 * d);
+                break;
+            }
+        }
+        return;
     }
     for (int64_t c0 = 0; c0 < chunks; c0 += 16) { /* 16 registers of d at a time */
         const int64_t cn = chunks - c0 < 16 ? chunks - c0 : 16;
