@@ -30,9 +30,14 @@ import numpy as np
 import torch
 
 from cache.native import Kernel, NativeKernelError
-from cache.qmatmul import BLOCK, BLOCK_BYTES, PARALLEL_MIN_WORK, Q4_1, Q8_0, QWeight
+from cache.qmatmul import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, QWeight
 
 GROUP = 16  # output rows per packed group: one float32 lane each
+# Below this many weights times rows a product runs on the calling thread only. Handing part of
+# a product to a pool thread cost about 100 microseconds on a two-core machine, more than the
+# integer products of a decode step save by it except the LM head's from 8 rows and gate/up's at
+# 32 (measured per product shape of the embedded model at 1, 8 and 32 rows, one thread against two).
+PARALLEL_MIN_WORK = 1 << 25
 # The widest vector loop the kernel may use: 0 AVX-512 VNNI where the CPU has it, 2 the plain loop.
 VECTOR_LIMIT = 0
 
@@ -183,7 +188,7 @@ def matmul(x: torch.Tensor, w: QPacked, out: torch.Tensor | None = None) -> torc
         out = torch.empty(rows, w.n_out, dtype=torch.float32)
     elif out.shape != (rows, w.n_out) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{rows}, {w.n_out}] with a unit feature stride")
-    code_step, scale_step = w.codes[0].numel(), w.scales[0].numel() * 2  # bytes per group
+    code_step, scale_step = w.codes.stride(0), w.scales.stride(0) * 2  # bytes per group
     cp, sp, xp, yp = w.codes.data_ptr(), w.scales.data_ptr(), x.data_ptr(), out.data_ptr()
     xs, ys = x.stride(0), out.stride(0)
 
