@@ -404,11 +404,20 @@ class Agent:
         fed = (
             self.adapter.cache_length(cache) - sum(v.n_tokens for v in self.context.view()) - prompt.n_tokens
         )
+        if self.adapter.cut_invariant and fed > 0:
+            # The answer went into the cache by decode steps, whose numbers are not a prefill's
+            # (a GGUF model's decode products take int8 activations): prefill it again, so that
+            # the turn's KV is what a prefill of the window and the turn writes, bit for bit.
+            cache.crop(-fed)
+            fed = 0
         pending = generated[fed:] + end  # tokens generated but not yet in the cache, then the turn's end
         pos = start + prompt.n_tokens + fed
-        for token in pending:
-            self.adapter.decode_step(token, cache, pos)
-            pos += 1
+        if self.adapter.cut_invariant and pending:
+            self.adapter.prefill(self.adapter.text(pending), cache, pos, last_only=True)
+        else:
+            for token in pending:
+                self.adapter.decode_step(token, cache, pos)
+                pos += 1
         turn = TextInput(torch.cat([prompt.ids, torch.tensor(generated + end, dtype=torch.int64)]))
         kv = self.adapter.kv_tail(cache, turn, start)
         # a turn longer than the whole window is not kept; the window stays as it was

@@ -115,8 +115,8 @@ def test_each_step_answers_as_a_fresh_prefill_of_its_window(
             assert same, f"step {i}: first logits {err:.1e} off a fresh prefill's"
         else:
             # an unmoved window answers on the KV it holds, which is not a re-prefill's to the last
-            # bit (the system prompt was encoded alone and rotated onto the window; turns were
-            # written one decoded token at a time), only close to it
+            # bit (the system prompt was encoded alone and rotated onto the window), only close to
+            # it; each turn's answer is prefilled again after decoding (``Agent._record_turn``)
             assert err < 1e-5, f"step {i}: first logits {err:.1e} off a fresh prefill's"
         add(instruction + tokens + ids(chat.end_of_turn()))
         want = [llama.chunk_key(llama.text(chunk)) for chunk in window]
