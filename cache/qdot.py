@@ -21,16 +21,14 @@ callers keep the float32 block products.
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from threading import Lock
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from cache.native import Kernel, NativeKernelError
-from cache.qmatmul import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, QWeight
+from cache.qmatmul import BLOCK, BLOCK_BYTES, Q4_1, Q8_0, QWeight, split_run
 
 GROUP = 16  # output rows per packed group: one float32 lane each
 # Below this many weights times rows a product runs on the calling thread only. Handing part of
@@ -149,25 +147,6 @@ def quantise(x: torch.Tensor) -> Quantised:
     return out
 
 
-class _Pool:
-    def __init__(self) -> None:
-        self.lock = Lock()
-        self.pool: ThreadPoolExecutor | None = None
-        self.size = 0
-
-    def get(self, threads: int) -> ThreadPoolExecutor:
-        with self.lock:
-            if self.pool is None or self.size != threads:
-                if self.pool is not None:
-                    self.pool.shutdown(wait=False)
-                self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kamera-qdot")
-                self.size = threads
-            return self.pool
-
-
-_POOL = _Pool()
-
-
 def matmul(x: torch.Tensor, w: QPacked, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` with x's rows quantised to int8 as :func:`quantise` does (in the same call):
     x float32 ``[rows, k]`` (unit feature stride), ``[rows, n_out]`` float32 out, into ``out``
@@ -192,8 +171,8 @@ def matmul(x: torch.Tensor, w: QPacked, out: torch.Tensor | None = None) -> torc
     cp, sp, xp, yp = w.codes.data_ptr(), w.scales.data_ptr(), x.data_ptr(), out.data_ptr()
     xs, ys = x.stride(0), out.stride(0)
 
-    def part(g0: int, g1: int) -> None:
-        lo, hi = g0 * GROUP, min(g1 * GROUP, w.n_out)
+    def part(lo: int, hi: int) -> None:  # outputs, lo a multiple of GROUP
+        g0 = lo // GROUP
         code = lib.kamera_qdot_f32(
             cp + g0 * code_step,
             sp + g0 * scale_step,
@@ -210,17 +189,7 @@ def matmul(x: torch.Tensor, w: QPacked, out: torch.Tensor | None = None) -> torc
         if code != 0:
             raise NativeKernelError(f"kamera_qdot_f32 failed with {code}")
 
-    groups = w.codes.shape[0]
-    threads = torch.get_num_threads()
-    if threads < 2 or groups < 2 or w.n_out * w.k * max(rows, 1) < PARALLEL_MIN_WORK:
-        part(0, groups)
-        return out
-    step = -(-groups // threads)
-    bounds = [(g, min(g + step, groups)) for g in range(0, groups, step)]
-    waits = [_POOL.get(threads - 1).submit(part, g0, g1) for g0, g1 in bounds[1:]]
-    part(*bounds[0])  # the calling thread takes the first part
-    for wait in waits:
-        wait.result()
+    split_run(part, w.n_out, GROUP, w.n_out * w.k * max(rows, 1) >= PARALLEL_MIN_WORK)
     return out
 
 

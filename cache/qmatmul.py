@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Lock
@@ -179,14 +180,21 @@ def matmul(x: torch.Tensor, w: QWeight, out: torch.Tensor | None = None) -> torc
         if code != 0:
             raise NativeKernelError(f"kamera_qmatmul_f32 failed with {code}")
 
+    split_run(part, w.n_out, 4, w.n_out * w.k * max(rows, 1) >= PARALLEL_MIN_WORK)
+    return out
+
+
+def split_run(part: Callable[[int, int], None], n: int, unit: int, parallel: bool) -> None:
+    """``part(lo, hi)`` over ``range(n)``: at once where not ``parallel`` or with one thread, else
+    in whole ``unit``s split over torch's threads, the calling thread taking the first part and the
+    shared pool the rest (the native products' one pool, started afresh in a forked child)."""
     threads = torch.get_num_threads()
-    if threads < 2 or w.n_out * w.k * max(rows, 1) < PARALLEL_MIN_WORK:
-        part(0, w.n_out)
-        return out
-    step = -(-w.n_out // (4 * threads)) * 4  # whole groups of four rows of W per part
-    bounds = [(lo, min(lo + step, w.n_out)) for lo in range(0, w.n_out, step)]
+    if not parallel or threads < 2 or n <= unit:
+        part(0, n)
+        return
+    step = -(-n // (unit * threads)) * unit
+    bounds = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
     waits = [_pool(threads - 1).submit(part, lo, hi) for lo, hi in bounds[1:]]
-    part(*bounds[0])  # the calling thread takes the first part
+    part(*bounds[0])
     for wait in waits:
         wait.result()
-    return out
