@@ -255,3 +255,45 @@ def test_a_window_repair_that_would_not_pay_is_answered_on_a_fresh_prefill(llama
     # a guard that never calls a step close: the window's repaired KV answers (not exact's words)
     kept = with_history(1e3, repair_margin=1e-9, repair_residual_unit=0.0)
     assert {r.report.served for r in kept} - {"prefix"} == {"moved"}
+
+
+def test_a_kept_turn_holds_a_prefill_s_kv_not_the_decode_steps(
+    llama: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer goes into the cache by decode steps, whose numbers are not a prefill's (one row,
+    attention over the whole cache; a GGUF model's steps on int8 activations). Before the window
+    keeps the turn, a cut-invariant model prefills the answer again (``Agent._record_turn``), so
+    the turn's KV is, bit for bit, what a prefill of the turn after its context writes. Inverse:
+    a model taken as not cut-invariant keeps the decode steps' KV, which this check tells apart."""
+
+    def turn_vs_prefill(cut_invariant: bool) -> bool:
+        seen: list[bool] = []
+        real_tail = llama.kv_tail
+
+        def kv_tail(cache: Any, chunk: Any, start: int) -> Any:
+            kv = real_tail(cache, chunk, start)
+            if chunk.n_tokens > 1:  # the last one taken is the turn's: instruction, answer, turn end
+                ctx = llama.cache_length(cache) - chunk.n_tokens
+                kv_layers = [llama.layer_kv(cache, i) for i in range(llama.info.n_layers)]
+                k = torch.stack([lk[:, :ctx] for lk, _ in kv_layers]).clone()
+                v = torch.stack([lv[:, :ctx] for _, lv in kv_layers]).clone()
+                ref = llama.new_cache([(k, v)])
+                with torch.inference_mode():
+                    llama.prefill(chunk, ref, start, last_only=True)
+                want = real_tail(ref, chunk, start)
+                seen.append(torch.equal(kv.k, want.k) and torch.equal(kv.v, want.v))
+            return kv
+
+        with monkeypatch.context() as m:
+            m.setattr(llama, "kv_tail", kv_tail)
+            m.setattr(type(llama), "cut_invariant", property(lambda self: cut_invariant))
+            agent = Agent(
+                llama, SYSTEM, window=WindowConfig(budget_tokens=BUDGET), max_new_tokens=8, finalize=False
+            )
+            result = agent.step([NOTES[0]], "What is note 0.3?")
+        assert seen, "the turn was not kept"
+        assert result.output
+        return seen[-1]
+
+    assert turn_vs_prefill(True)
+    assert not turn_vs_prefill(False)
