@@ -137,11 +137,18 @@ class Repaired(NamedTuple):
     :class:`DeviationSelection` measured at its layer and left in the candidates it did not
     recompute, over the energy of their fresh K/V there (squared L2, values or keys and values as
     it measures): how far from this context the reused KV still is (0 for a fixed selection).
-    given_up: nothing ran past the selection layer, the choice refused (``max_residual``, ``pays``)."""
+    given_up: nothing ran past the selection layer, the choice refused (``max_residual``, ``pays``).
+    depth: how the recomputed tokens' deviation grew past the selection layer: their values'
+    squared deviation over their fresh values' energy, averaged over the later layers, divided by
+    the same at the selection layer (1.0 where not measured). The layer-1 residual counts what a
+    change of context does to the first layers; a change that alters what the text means (turns
+    removed, passages reordered) moves the later layers much further than one that alters a few
+    tokens (a clock), and this ratio, read off the rows repair recomputed anyway, says which."""
 
     tokens: int
     residual: float
     given_up: bool = False
+    depth: float = 1.0
 
 
 def first_tokens(starts: Sequence[int], lengths: Sequence[int], k: int) -> torch.Tensor:
@@ -170,8 +177,8 @@ def recompute_into(
     ``ModelAdapter.run_layers``). Raises TypeError for a model whose layers cannot run on rows
     (MLA), ValueError for inputs that disagree with the cache.
     """
-    rows, residual, given_up = _recompute(adapter, cache, inputs, positions, selection, order)
-    return Repaired(int(rows.numel()), residual, given_up)
+    rows, residual, given_up, depth = _recompute(adapter, cache, inputs, positions, selection, order)
+    return Repaired(int(rows.numel()), residual, given_up, depth)
 
 
 @torch.inference_mode()
@@ -195,7 +202,7 @@ def selective_recompute(
         raise ValueError(f"inputs [{n}], positions {tuple(positions.shape)} and KV {tuple(k.shape)} disagree")
     device = adapter.device
     k, v = k.to(device, copy=True), v.to(device, copy=True)
-    selected, residual, _ = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
+    selected, residual, _, _ = _recompute(adapter, adapter.new_cache([(k, v)]), inputs, positions, selection)
     return Recomputed(k, v, selected, residual)
 
 
@@ -257,9 +264,10 @@ def _recompute(
     positions: torch.Tensor,
     selection: Selection,
     order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float, bool]:
+) -> tuple[torch.Tensor, float, bool, float]:
     """The sorted indices of the tokens recomputed through every layer (on the CPU), the
-    deviation left in the others and whether the choice was refused (:class:`Repaired`)."""
+    deviation left in the others, whether the choice was refused and how the recomputed rows'
+    deviation grew past the selection layer (:class:`Repaired`)."""
     _check_family(adapter)
     n = adapter.cache_length(cache)
     if inputs.shape[0] != n or positions.shape[-1] != n or positions.dim() > 2:
@@ -272,11 +280,11 @@ def _recompute(
     else:
         rows, check = selection.candidates.to(torch.int64).unique(sorted=True), selection.layer
     if rows.numel() == 0:
-        return rows, 0.0, False
+        return rows, 0.0, False, 1.0
     hidden = _embed_rows(adapter, inputs, rows)
     if check >= n_layers or not isinstance(selection, DeviationSelection):
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers), order=order)
-        return rows, 0.0, False
+        return rows, 0.0, False, 1.0
     if check > 0:
         hidden = adapter.run_layers(
             hidden, rows, positions[..., rows], cache, range(check), order=order
@@ -304,10 +312,28 @@ def _recompute(
     drop = (~keep).to(k_layer.device)
     k_layer.index_copy_(1, device_rows[drop], saved_k[:, drop])
     v_layer.index_copy_(1, device_rows[drop], saved_v[:, drop])
+    kept = keep.to(fresh.v.device)
+    at_check = _relative(fresh.v[:, kept], saved_v[:, kept])
     rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
+    depth = 1.0
     if rows.numel():
+        later = range(check + 1, n_layers)
+        kept_rows = device_rows[keep.to(device_rows.device)]
+        reused = [adapter.layer_kv(cache, i)[1][:, kept_rows] for i in later]  # copies
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(check, n_layers), order=order)
-    return rows, residual, given_up
+        if at_check > 0.0 and len(later):
+            after = [
+                _relative(adapter.layer_kv(cache, i)[1][:, kept_rows], old)
+                for i, old in zip(later, reused, strict=True)
+            ]
+            depth = sum(after) / len(after) / at_check
+    return rows, residual, given_up, depth
+
+
+def _relative(fresh: torch.Tensor, reused: torch.Tensor) -> float:
+    """Squared deviation of ``reused`` from ``fresh`` over ``fresh``'s energy (0 for no rows)."""
+    energy = float(fresh.double().square().sum())
+    return float((fresh.double() - reused.double()).square().sum()) / energy if energy > 0 else 0.0
 
 
 def _embed_rows(adapter: ModelAdapter, inputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -271,6 +271,7 @@ def _request_fields(r: Row) -> dict[str, Any]:
         "prefilled_tokens": u.prefilled_tokens,
         "fallback_tokens": u.fallback_tokens,
         "repair_residual": u.repair_residual,
+        "repair_depth": round(u.repair_depth, 4),
         # the smallest gap between the best two logits along the full prefill's answer
         "reference_min_margin": round(min(r.reference.margins), 4) if r.reference.margins else None,
         # the full prefill's answer, to set beside another run's (other numerics, another model)
@@ -307,10 +308,22 @@ def logit_error_fields(rows: Sequence[Row]) -> dict[str, Any]:
     ``--repair-margin 0``, where nothing falls back and every cached logit is repaired KV's."""
     watched = [r for r in rows if _moved(r.cached.usage) and r.cached.usage.repair_residual > 0]
     gaps = [gap_error(r.reference.logits, r.cached.logits) for r in watched]
-    scales = [abs(g) / math.sqrt(r.cached.usage.repair_residual) for g, r in zip(gaps, watched, strict=True)]
+    usage = [r.cached.usage for r in watched]
+    scales = [abs(g) / math.sqrt(u.repair_residual) for g, u in zip(gaps, usage, strict=True)]
+    # the same against the residual scaled by how the recomputed rows' deviation grew with depth
+    # (``Repaired.depth``): a predictor is better where the scales it needs spread less
+    deep = [abs(g) / math.sqrt(u.repair_residual * u.repair_depth) for g, u in zip(gaps, usage, strict=True)]
+
+    def spread(xs: list[float]) -> list[float] | None:
+        xs = [x for x in xs if x > 0]
+        return [round(min(xs), 3), round(max(xs), 3)] if xs else None
+
     return {
         "gap_errors": [round(g, 5) for g in gaps],
+        "repair_depths": [round(u.repair_depth, 4) for u in usage],
         "margin_scale": round(max(scales), 2) if scales else None,
+        "margin_scale_depth": round(max(deep), 2) if deep else None,
+        "scale_spread": {"residual": spread(scales), "residual_x_depth": spread(deep)},
     }
 
 
@@ -424,7 +437,7 @@ def _keep(
         f"ttft {ref.segmented.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"1-pass ttft {ref.one_pass.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"e2e {ref.one_pass.total_s / max(cached.total_s, 1e-9):5.2f}x"
-        f" residual {cached.usage.repair_residual:.1e}"
+        f" residual {cached.usage.repair_residual:.1e} depth {cached.usage.repair_depth:.3g}"
         f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
     )
 

@@ -224,6 +224,43 @@ def test_recompute_into_rewrites_the_cache_in_place(llama: ModelAdapter) -> None
     assert torch.equal(got_v, want.v)
 
 
+def test_depth_is_how_the_recomputed_rows_deviation_grew_past_the_selection_layer(
+    llama: ModelAdapter,
+) -> None:
+    """``Repaired.depth``: the recomputed rows' value deviation over their fresh values' energy,
+    averaged over the layers after the selection layer, over the same at it; against a slow count
+    of the same. 1.0 where nothing deviates (the context's own KV) or nothing is recomputed."""
+    ids, k_ref, v_ref, k, v = _setup(llama)
+    positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
+    sel = DeviationSelection(0.25, candidates)
+    want = selective_recompute(llama, ids, positions, k, v, sel)
+    kept = want.selected
+    probe = llama.new_cache([(k.clone(), v.clone())])
+    hidden = llama.run_layers(
+        llama.embed_ids(ids[candidates]), candidates, positions[candidates], probe, range(1)
+    )
+    fresh = llama.run_layers(hidden.hidden, candidates, positions[candidates], probe, range(1, 2))
+    at = torch.isin(candidates, kept)
+
+    def rel(new: torch.Tensor, old: torch.Tensor) -> float:
+        return float((new.double() - old.double()).square().sum() / new.double().square().sum())
+
+    at_check = rel(fresh.v[:, at], v[1][:, kept])
+    later = [rel(want.v[i][:, kept], v[i][:, kept]) for i in range(2, llama.info.n_layers)]
+    assert later
+    assert at_check > 0
+    done = recompute_into(llama, llama.new_cache([(k.clone(), v.clone())]), ids, positions, sel)
+    assert done.tokens == kept.numel()
+    assert done.depth == pytest.approx(sum(later) / len(later) / at_check, rel=1e-6)
+    assert done.depth != 1.0
+    exact = recompute_into(llama, llama.new_cache([(k_ref.clone(), v_ref.clone())]), ids, positions, sel)
+    assert exact.depth == 1.0
+    none = recompute_into(
+        llama, llama.new_cache([(k.clone(), v.clone())]), ids, positions, FixedSelection(candidates)
+    )
+    assert none.depth == 1.0
+
+
 def test_recompute_from_embeddings_equals_from_ids(llama: ModelAdapter) -> None:
     ids, _, _, k, v = _setup(llama)
     positions = torch.arange(ids.numel())

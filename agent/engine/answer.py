@@ -113,6 +113,7 @@ def answer(
             served="fallback",
             abandoned_tokens=usage.relocated_tokens,
             repair_residual=usage.repair_residual,
+            repair_depth=usage.repair_depth,
             vision_encoder_calls=usage.vision_encoder_calls + final.usage.vision_encoder_calls,
             lost_entries=usage.lost_entries + final.usage.lost_entries,
         )

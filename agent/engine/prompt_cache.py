@@ -210,6 +210,9 @@ class PromptUsage(NamedTuple):
     # the deviation from this context that repair measured and left unrecomputed, the largest
     # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin scales with
     repair_residual: float = 0.0
+    # how much further the recomputed tokens' deviation went in the later layers than at the
+    # selection layer (``agent.recompute.Repaired.depth``), the largest over repair's runs
+    repair_depth: float = 1.0
     # how the answer was served (``SERVED``): on exact KV only, on moved KV, on exact KV after a
     # close call moved decoding there, or on exact KV because the repair was given up
     served: Served = "prefix"
@@ -332,6 +335,7 @@ class PromptCache:
         logits: torch.Tensor | None = None
         exact_units = 0
         residual = 0.0
+        depth = 1.0
         given_up: float | None = None
         exact_cost, misses_left, moved = _costs(prompt, plan_steps)
         if mode == "repair" and not self._worth_trying(plan_steps, misses_left, exact_cost, steps):
@@ -370,6 +374,7 @@ class PromptCache:
                     break
                 counts["repaired"] += done.tokens
                 residual = max(residual, done.residual)
+                depth = max(depth, done.depth) if done.tokens else depth
                 repair = []
             exact = exact_units == step.start
             # rows are stored segment by segment (the grain of the stores' keys); the segments run
@@ -421,6 +426,7 @@ class PromptCache:
             repaired_tokens=counts["repaired"],
             shared_tokens=counts["shared"],
             repair_residual=residual,
+            repair_depth=depth,
             served="moved" if counts["relocated"] else "prefix",
         )
         position = int(prompt.pos_off[-1])
