@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 from agent.adapters.base import ChunkInput, ImageInput
 from agent.modes import (
     DEFAULT_MODE,
+    REPAIR_DEPTH_UNIT,
     REPAIR_MARGIN,
     REPAIR_MARGIN_CAP,
     REPAIR_MAX_RATIO,
@@ -70,7 +71,9 @@ class WindowConfig:
     chunk after the window's exact leading run, the repair_ratio share deviating most at layer 1
     is recomputed in the window (up to repair_max_ratio while the deviation left is above
     repair_residual_unit; :meth:`ContextManager.repair`); the guard's margin is repair_margin at a
-    residual of repair_residual_unit, scaled by the square root of the residual left; a window
+    residual of repair_residual_unit, scaled by the square root of the residual left and narrowed
+    where the recomputed tokens' deviation did not grow through the later layers
+    (repair_depth_unit, ``agent.modes.guard_margin``); a window
     whose residual calls for more than repair_margin_cap is answered on a fresh prefill from the
     start, and so is one whose chance of a close call at its margin makes going on cost more than
     that prefill (repair_must_pay, ``agent/engine/close_calls.py``)."""
@@ -89,6 +92,7 @@ class WindowConfig:
     repair_margin: float = REPAIR_MARGIN
     repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
     repair_margin_cap: float = REPAIR_MARGIN_CAP
+    repair_depth_unit: float = REPAIR_DEPTH_UNIT
     repair_must_pay: bool = True
 
     def __post_init__(self) -> None:
@@ -106,7 +110,7 @@ class WindowConfig:
                 "need 0 <= repair_ratio <= repair_max_ratio <= 1, "
                 f"got {self.repair_ratio} and {self.repair_max_ratio}"
             )
-        for name in ("repair_margin", "repair_residual_unit", "repair_margin_cap"):
+        for name in ("repair_margin", "repair_residual_unit", "repair_margin_cap", "repair_depth_unit"):
             if not 0.0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.rope_kernel not in KERNELS:

@@ -250,6 +250,7 @@ class Agent:
             cm.make_room(incoming)  # the slide the new chunks cause, before the window is repaired
         reused = cm.tokens
         residual: float | None = None
+        depth: float | None = None  # measured where the repair recomputed tokens
         repaired = 0
         served: Served = "prefix"
         give_up = attempted = False
@@ -268,8 +269,10 @@ class Agent:
                 done = cm.repair(lambda rows: self._selection(rows, pays))
                 residual = None if done is None else done.residual
                 repaired = 0 if done is None else done.tokens
+                depth = None if done is None else done.depth
                 if residual is not None:
                     self.close_calls.add_residual(residual)
+                    self.close_calls.add_depth(depth, cfg.repair_depth_unit)
                 measured = cfg.repair_residual_unit if residual is None else residual
                 give_up = measured > cfg.give_up_residual or (
                     done.given_up if done is not None else pays is not None and not pays(measured, 0)
@@ -294,7 +297,9 @@ class Agent:
                 residual = cm.residual(skip_last=len(ids)) or None  # 0: nothing to measure
             # the guard's margin follows the deviation left (unmeasured: the margin as set)
             measured = cfg.repair_residual_unit if residual is None else residual
-            margin = guard_margin(cfg.repair_margin, measured, cfg.repair_residual_unit)
+            margin = guard_margin(
+                cfg.repair_margin, measured, cfg.repair_residual_unit, depth, cfg.repair_depth_unit
+            )
             guard = _FreshWindow(cm, prompt, margin)
         # the answer rests on the window's KV (else on a fresh prefill of the window)
         on_window = served == "moved" or exact
@@ -387,7 +392,7 @@ class Agent:
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
         return self.close_calls.repair_test(
-            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, cfg.repair_depth_unit
         )
 
     def _constraint(self, max_tokens: int) -> Constraint | None:

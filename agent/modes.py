@@ -57,15 +57,32 @@ REPAIR_MAX_RATIO = 0.15  # at most, growing from REPAIR_RATIO until the residual
 REPAIR_MARGIN = 0.5
 REPAIR_RESIDUAL_UNIT = 8e-7
 REPAIR_MARGIN_CAP = 3.0
+# The layer-1 residual undercounts what a change that alters the text's meaning (turns removed,
+# passages reordered) leaves in the later layers, so the unit above is set on the worst of those
+# (``docs/consistency.md``). Repair measures how the tokens it recomputed deviated past the
+# selection layer against at it (``agent.recompute.Repaired.depth``); a repair whose depth is
+# below REPAIR_DEPTH_UNIT has its margin lowered by sqrt(depth / unit), never raised (0: off).
+REPAIR_DEPTH_UNIT = 0.0
 
 
-def guard_margin(margin: float, residual: float, unit: float) -> float:
+def guard_margin(
+    margin: float, residual: float, unit: float, depth: float | None = None, depth_unit: float = 0.0
+) -> float:
     """The guard's margin for repaired KV that is still ``residual`` from its context: ``margin``
     at a residual of ``unit``, scaled by ``sqrt(residual / unit)`` up and down (the residual is an
-    energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always."""
-    if unit <= 0:
-        return margin
-    return margin * math.sqrt(max(0.0, residual) / unit)
+    energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always. Then,
+    where the repair measured its ``depth`` (``agent.recompute.Repaired.depth``; None: not
+    measured) and ``depth_unit`` > 0, times ``sqrt(min(1, depth / depth_unit))``: a repair whose
+    deviation did not grow through the later layers gets a narrower margin, none a wider one."""
+    out = margin if unit <= 0 else margin * math.sqrt(max(0.0, residual) / unit)
+    return out * depth_factor(depth, depth_unit)
+
+
+def depth_factor(depth: float | None, depth_unit: float) -> float:
+    """What a measured ``depth`` does to the guard's margin (:func:`guard_margin`): at most 1."""
+    if depth is None or depth_unit <= 0 or not math.isfinite(depth):
+        return 1.0
+    return math.sqrt(min(1.0, max(0.0, depth) / depth_unit))
 
 
 def give_up_residual(margin: float, unit: float, cap: float) -> float:

@@ -140,15 +140,16 @@ class Repaired(NamedTuple):
     given_up: nothing ran past the selection layer, the choice refused (``max_residual``, ``pays``).
     depth: how the recomputed tokens' deviation grew past the selection layer: their values'
     squared deviation over their fresh values' energy, averaged over the later layers, divided by
-    the same at the selection layer (1.0 where not measured). The layer-1 residual counts what a
+    the same at the selection layer. The layer-1 residual counts what a
     change of context does to the first layers; a change that alters what the text means (turns
     removed, passages reordered) moves the later layers much further than one that alters a few
-    tokens (a clock), and this ratio, read off the rows repair recomputed anyway, says which."""
+    tokens (a clock), and this ratio, read off the rows repair recomputed anyway, says which
+    (None where not measured: nothing recomputed past the selection layer, or no deviation there)."""
 
     tokens: int
     residual: float
     given_up: bool = False
-    depth: float = 1.0
+    depth: float | None = None
 
 
 def first_tokens(starts: Sequence[int], lengths: Sequence[int], k: int) -> torch.Tensor:
@@ -264,7 +265,7 @@ def _recompute(
     positions: torch.Tensor,
     selection: Selection,
     order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, float, bool, float]:
+) -> tuple[torch.Tensor, float, bool, float | None]:
     """The sorted indices of the tokens recomputed through every layer (on the CPU), the
     deviation left in the others, whether the choice was refused and how the recomputed rows'
     deviation grew past the selection layer (:class:`Repaired`)."""
@@ -280,11 +281,11 @@ def _recompute(
     else:
         rows, check = selection.candidates.to(torch.int64).unique(sorted=True), selection.layer
     if rows.numel() == 0:
-        return rows, 0.0, False, 1.0
+        return rows, 0.0, False, None
     hidden = _embed_rows(adapter, inputs, rows)
     if check >= n_layers or not isinstance(selection, DeviationSelection):
         adapter.run_layers(hidden, rows, positions[..., rows], cache, range(n_layers), order=order)
-        return rows, 0.0, False, 1.0
+        return rows, 0.0, False, None
     if check > 0:
         hidden = adapter.run_layers(
             hidden, rows, positions[..., rows], cache, range(check), order=order
@@ -315,7 +316,7 @@ def _recompute(
     kept = keep.to(fresh.v.device)
     at_check = _relative(fresh.v[:, kept], saved_v[:, kept])
     rows, hidden = rows[keep], hidden[keep.to(hidden.device)]
-    depth = 1.0
+    depth: float | None = None
     if rows.numel():
         later = range(check + 1, n_layers)
         kept_rows = device_rows[keep.to(device_rows.device)]

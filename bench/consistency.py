@@ -527,6 +527,13 @@ def parser() -> argparse.ArgumentParser:
         help="a repair calling for a larger margin is given up, the prompt prefilled exact (0: never)",
     )
     p.add_argument(
+        "--repair-depth-unit",
+        type=float,
+        default=PromptCacheConfig.repair_depth_unit,
+        help="a repair whose recomputed tokens deviated less past the selection layer than this "
+        "has its margin narrowed by sqrt(depth / unit) (0: the residual alone)",
+    )
+    p.add_argument(
         "--repair-must-pay",
         action=argparse.BooleanOptionalAction,
         default=PromptCacheConfig.repair_must_pay,
@@ -585,6 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repair_margin=args.repair_margin,
         repair_residual_unit=args.repair_residual_unit,
         repair_margin_cap=args.repair_margin_cap,
+        repair_depth_unit=args.repair_depth_unit,
         repair_must_pay=args.repair_must_pay,
     )
     params = SamplingParams(max_tokens=args.max_tokens, logprobs=True, top_logprobs=2)
@@ -607,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repair_margin": config.repair_margin,
             "repair_residual_unit": config.repair_residual_unit,
             "repair_margin_cap": config.repair_margin_cap,
+            "repair_depth_unit": config.repair_depth_unit,
             "repair_must_pay": config.repair_must_pay,
         },
         "policies": {},

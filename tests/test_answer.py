@@ -215,6 +215,27 @@ def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> N
     assert answer(shrunk, moved, "", "repair", PARAMS).decoded.escalated_at is None
 
 
+def test_a_measured_depth_below_its_unit_narrows_the_margin_and_never_widens_it(llama: Any) -> None:  # noqa: F811
+    """``repair_depth_unit``: a repair that measured its depth (``PromptUsage.repair_depth``) below
+    the unit has its margin narrowed by sqrt(depth / unit); at or above the unit, or unmeasured,
+    the margin is the residual's alone. Through the answer path: a margin that sends the first
+    step to exact KV on the residual alone keeps the repaired KV once a huge depth unit narrows it,
+    and a tiny depth unit changes nothing."""
+    assert guard_margin(0.5, 1e-4, 1e-4, 4.0, 16.0) == pytest.approx(0.25)
+    assert guard_margin(0.5, 1e-4, 1e-4, 64.0, 16.0) == 0.5
+    assert guard_margin(0.5, 1e-4, 1e-4, None, 16.0) == 0.5
+    assert guard_margin(0.5, 1e-4, 1e-4, 4.0, 0.0) == 0.5
+    assert guard_margin(0.5, 1e-4, 1e-4, float("nan"), 16.0) == 0.5
+    no_cap = {"repair_margin_cap": 0.0, "repair_residual_unit": 0.0, "repair_must_pay": False}
+    for depth_unit, escalated in ((0.0, 0), (1e-30, 0), (1e30, None)):
+        pc, moved = _after_first(llama, repair_margin=1e6, repair_depth_unit=depth_unit, **no_cap)
+        out = answer(pc, moved, "", "repair", PARAMS)
+        assert out.usage.repaired_tokens > 0 or out.usage.served == "fallback"
+        assert out.usage.repair_depth is not None
+        assert out.usage.repair_depth > 0
+        assert out.decoded.escalated_at == escalated, depth_unit
+
+
 def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> None:  # noqa: F811
     """A residual calling for a margin beyond the cap: no recompute, no decoding on repaired KV;
     the prompt is prepared exact, its answer is the full prefill's, the exact prefill is counted

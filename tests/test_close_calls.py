@@ -101,6 +101,24 @@ def test_going_on_pays_while_its_work_and_the_risk_cost_less_than_the_exact_pref
     assert not repair_pays(Risk(0.0, 0.0), 0.0, 0, 100, 100)  # nothing reused: nothing to gain
 
 
+def test_a_repair_is_tested_at_the_margin_recent_depths_narrowed_theirs_to() -> None:
+    """Depth is measured by the recompute, after the test: the test takes the median of what
+    recent depths did to their margins (1.0 with none measured, or with the depth unit off)."""
+    calls = CloseCalls()
+    assert calls.depth_factor() == 1.0
+    for depth in (1.0, None, 4.0, 100.0):  # None: not measured, not kept
+        calls.add_depth(depth, 16.0)
+    calls.add_depth(2.0, 0.0)  # the unit off: nothing kept
+    assert calls.depth_factor() == pytest.approx(0.5)  # factors 0.25, 0.5, 1.0
+    for _ in range(8):
+        calls.add([5.0, 0.3, 5.0])  # every answer had a step 0.3 apart
+    # a margin of 0.4 on the residual alone meets that step; narrowed by half it does not
+    alone = calls.repair_test(0.4, 0.0, 50, 100, 3)
+    narrowed = calls.repair_test(0.4, 0.0, 50, 100, 3, depth_unit=16.0)
+    assert not alone(1.0, 0)
+    assert narrowed(1.0, 0)
+
+
 def test_the_smallest_recent_residual_is_what_a_repair_is_first_tested_at() -> None:
     calls = CloseCalls()
     assert calls.low_residual() is None

@@ -229,7 +229,7 @@ def test_depth_is_how_the_recomputed_rows_deviation_grew_past_the_selection_laye
 ) -> None:
     """``Repaired.depth``: the recomputed rows' value deviation over their fresh values' energy,
     averaged over the layers after the selection layer, over the same at it; against a slow count
-    of the same. 1.0 where nothing deviates (the context's own KV) or nothing is recomputed."""
+    of the same. None where nothing deviates (the context's own KV) or nothing is recomputed."""
     ids, k_ref, v_ref, k, v = _setup(llama)
     positions, candidates = torch.arange(ids.numel()), torch.arange(PREFIX, ids.numel())
     sel = DeviationSelection(0.25, candidates)
@@ -254,11 +254,11 @@ def test_depth_is_how_the_recomputed_rows_deviation_grew_past_the_selection_laye
     assert done.depth == pytest.approx(sum(later) / len(later) / at_check, rel=1e-6)
     assert done.depth != 1.0
     exact = recompute_into(llama, llama.new_cache([(k_ref.clone(), v_ref.clone())]), ids, positions, sel)
-    assert exact.depth == 1.0
+    assert exact.depth is None
     none = recompute_into(
         llama, llama.new_cache([(k.clone(), v.clone())]), ids, positions, FixedSelection(candidates)
     )
-    assert none.depth == 1.0
+    assert none.depth is None
 
 
 def test_recompute_from_embeddings_equals_from_ids(llama: ModelAdapter) -> None:

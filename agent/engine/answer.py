@@ -81,7 +81,13 @@ def answer(
     guard = None
     cfg = pc.config
     if usage.mode == "repair" and usage.relocated_tokens and cfg.repair_margin > 0:
-        margin = guard_margin(cfg.repair_margin, usage.repair_residual, cfg.repair_residual_unit)
+        margin = guard_margin(
+            cfg.repair_margin,
+            usage.repair_residual,
+            cfg.repair_residual_unit,
+            usage.repair_depth,
+            cfg.repair_depth_unit,
+        )
         guard = _ToExact(pc, prompt, tenant_salt, margin)
     final = prepared
     try:

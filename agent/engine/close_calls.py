@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agent.modes import guard_margin
+from agent.modes import depth_factor, guard_margin
 
 DEFAULT_SIZE = 256
 DEFAULT_STEPS = 256
@@ -64,6 +64,7 @@ class CloseCalls:
         self._prefill: deque[float] = deque(maxlen=TIMINGS)  # seconds per prefilled token
         self._decode: deque[float] = deque(maxlen=TIMINGS)  # seconds per decode step
         self._residuals: deque[float] = deque(maxlen=TIMINGS)
+        self._depths: deque[float] = deque(maxlen=TIMINGS)  # what repairs' depths did to their margins
         self._skipped = 0  # repairs not tried since a residual was last measured
         self._lock = threading.Lock()
 
@@ -120,6 +121,20 @@ class CloseCalls:
                 self._residuals.append(float(residual))
                 self._skipped = 0
 
+    def add_depth(self, depth: float | None, depth_unit: float) -> None:
+        """A repair's measured depth (``agent.recompute.Repaired.depth``): what it did to the
+        guard's margin (``agent.modes.depth_factor``) is kept, for the next repairs' tests."""
+        if depth is not None and depth_unit > 0:
+            with self._lock:
+                self._depths.append(depth_factor(depth, depth_unit))
+
+    def depth_factor(self) -> float:
+        """The median of what the depths measured lately did to the margin (1.0: none measured).
+        A repair is put to its test before its depth is measured (which takes its recompute):
+        this is the guess its test takes for it."""
+        with self._lock:
+            return statistics.median(self._depths) if self._depths else 1.0
+
     def low_residual(self) -> float | None:
         """The smallest residual of the repairs measured lately (None: none was)."""
         with self._lock:
@@ -141,16 +156,24 @@ class CloseCalls:
             return True
 
     def repair_test(
-        self, margin: float, unit: float, remaining: int, exact: int, steps: int | None
+        self,
+        margin: float,
+        unit: float,
+        remaining: int,
+        exact: int,
+        steps: int | None,
+        depth_unit: float = 0.0,
     ) -> Callable[[float, int], bool]:
         """The test a repair is put to (:func:`repair_pays`), asked with the residual it would
         leave and the tokens it would recompute: the guard's margin at that residual
-        (``margin`` at a residual of ``unit``, ``agent.modes.guard_margin``), ``remaining``
+        (``margin`` at a residual of ``unit``, ``agent.modes.guard_margin``; with ``depth_unit``,
+        narrowed as recent repairs' depths narrowed theirs, :meth:`depth_factor`), ``remaining``
         tokens still to prefill on moved KV, ``exact`` what giving up prefills, ``steps`` the
         answer's most steps."""
+        narrowed = self.depth_factor() if depth_unit > 0 else 1.0
 
         def pays(residual: float, recomputed: int) -> bool:
-            risk = self.risk(guard_margin(margin, residual, unit), steps)
+            risk = self.risk(guard_margin(margin, residual, unit) * narrowed, steps)
             return repair_pays(risk, self.step_tokens(), recomputed, remaining, exact)
 
         return pays

@@ -87,6 +87,7 @@ from agent.engine.prompt import (
 from agent.engine.reuse import Finder, after_key, read_pointer
 from agent.modes import (
     DEFAULT_MODE,
+    REPAIR_DEPTH_UNIT,
     REPAIR_MARGIN,
     REPAIR_MARGIN_CAP,
     REPAIR_MAX_RATIO,
@@ -136,7 +137,10 @@ class PromptCacheConfig:
     A piece whose repair could not measure (no recompute ran) reports the unit.
     repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
     selection layer has measured it, before any token runs on through the later layers, and the
-    prompt is prepared exact at once (0: never given up). repair_must_pay: a repair is also given
+    prompt is prepared exact at once (0: never given up). repair_depth_unit: a repair whose
+    recomputed tokens deviated less through the later layers, against at the selection layer,
+    than this (``PromptUsage.repair_depth``) has its margin narrowed by sqrt(depth / unit)
+    (``agent.modes.guard_margin``; 0: the residual alone). repair_must_pay: a repair is also given
     up there when going on is expected to cost more than the exact prefill: the tokens it
     recomputes and those still to prefill on moved KV, plus, with the chance of a close call at its
     guard's margin (read from the cache's recent answers, ``close_calls.py``), that prefill and the
@@ -155,6 +159,7 @@ class PromptCacheConfig:
     repair_margin: float = REPAIR_MARGIN
     repair_residual_unit: float = REPAIR_RESIDUAL_UNIT
     repair_margin_cap: float = REPAIR_MARGIN_CAP
+    repair_depth_unit: float = REPAIR_DEPTH_UNIT
     repair_max_ratio: float = REPAIR_MAX_RATIO
     repair_must_pay: bool = True
 
@@ -176,6 +181,8 @@ class PromptCacheConfig:
             )
         if not 0.0 <= self.repair_margin_cap < float("inf"):
             raise ValueError(f"repair_margin_cap must be a finite number >= 0, got {self.repair_margin_cap}")
+        if not 0.0 <= self.repair_depth_unit < float("inf"):
+            raise ValueError(f"repair_depth_unit must be a finite number >= 0, got {self.repair_depth_unit}")
         if not 0.0 <= self.repair_max_ratio <= 1.0:
             raise ValueError(f"repair_max_ratio must lie in [0, 1], got {self.repair_max_ratio}")
 
@@ -211,8 +218,9 @@ class PromptUsage(NamedTuple):
     # over its runs (``agent.recompute.Repaired.residual``): what the guard's margin scales with
     repair_residual: float = 0.0
     # how much further the recomputed tokens' deviation went in the later layers than at the
-    # selection layer (``agent.recompute.Repaired.depth``), the largest over repair's runs
-    repair_depth: float = 1.0
+    # selection layer (``agent.recompute.Repaired.depth``), the largest over repair's runs; None
+    # where not measured. With the residual, what the guard's margin scales with
+    repair_depth: float | None = None
     # how the answer was served (``SERVED``): on exact KV only, on moved KV, on exact KV after a
     # close call moved decoding there, or on exact KV because the repair was given up
     served: Served = "prefix"
@@ -335,7 +343,7 @@ class PromptCache:
         logits: torch.Tensor | None = None
         exact_units = 0
         residual = 0.0
-        depth = 1.0
+        depth: float | None = None
         given_up: float | None = None
         exact_cost, misses_left, moved = _costs(prompt, plan_steps)
         if mode == "repair" and not self._worth_trying(plan_steps, misses_left, exact_cost, steps):
@@ -374,7 +382,8 @@ class PromptCache:
                     break
                 counts["repaired"] += done.tokens
                 residual = max(residual, done.residual)
-                depth = max(depth, done.depth) if done.tokens else depth
+                if done.depth is not None:
+                    depth = done.depth if depth is None else max(depth, done.depth)
                 repair = []
             exact = exact_units == step.start
             # rows are stored segment by segment (the grain of the stores' keys); the segments run
@@ -459,7 +468,7 @@ class PromptCache:
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
         return self.close_calls.repair_test(
-            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, cfg.repair_depth_unit
         )
 
     def _hold(self, rows: list[tuple[TableRow, ChunkKV]]) -> None:
@@ -550,6 +559,7 @@ class PromptCache:
         )
         done = recompute_into(adapter, cache, inputs, positions, selection)
         self.close_calls.add_residual(done.residual)
+        self.close_calls.add_depth(done.depth, self.config.repair_depth_unit)
         return done
 
     # --- commit: store new segments, index the prompt -----------------------------------

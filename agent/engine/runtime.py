@@ -283,6 +283,7 @@ class Runtime:
             repair_margin=pc.repair_margin,
             repair_residual_unit=pc.repair_residual_unit,
             repair_margin_cap=pc.repair_margin_cap,
+            repair_depth_unit=pc.repair_depth_unit,
             repair_must_pay=pc.repair_must_pay,
         )
         with torch.inference_mode():

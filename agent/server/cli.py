@@ -22,6 +22,7 @@ from agent.engine.limits import ServerLimits, limit_fields
 from agent.modes import (
     DEFAULT_MODE,
     MODE_HELP,
+    REPAIR_DEPTH_UNIT,
     REPAIR_MARGIN,
     REPAIR_MARGIN_CAP,
     REPAIR_MAX_RATIO,
@@ -111,6 +112,14 @@ def parser() -> argparse.ArgumentParser:
         default=_env("repair_margin_cap", str(REPAIR_MARGIN_CAP)),
         help="repair's guard: a repair whose residual calls for a larger margin is given up and the "
         "prompt prefilled exact at once (0: never)",
+    )
+    store.add_argument(
+        "--repair-depth-unit",
+        type=float,
+        default=_env("repair_depth_unit", str(REPAIR_DEPTH_UNIT)),
+        help="repair's guard: a repair whose recomputed tokens deviated less in the later layers, "
+        "against the first, than this has its margin narrowed by the square root of the ratio "
+        "(0: the residual alone)",
     )
     store.add_argument(
         "--repair-must-pay",
@@ -224,6 +233,7 @@ def build_config(args: argparse.Namespace) -> Any:
             repair_margin=args.repair_margin,
             repair_residual_unit=args.repair_residual_unit,
             repair_margin_cap=args.repair_margin_cap,
+            repair_depth_unit=args.repair_depth_unit,
             repair_must_pay=args.repair_must_pay,
         ),
         media=MediaPolicy(
