@@ -72,7 +72,7 @@ from agent.engine.full_prefill import full_prefill
 from agent.engine.generation import Decoded, SamplingParams
 from agent.engine.prompt import Prompt
 from agent.engine.prompt_cache import SERVED, PromptCache, PromptCacheConfig, build_prompt
-from agent.modes import REUSE_MODES, ReuseMode
+from agent.modes import REUSE_MODES, ReuseMode, guard_margin
 from agent.tables import make_console
 from agent.tables import print_table as draw
 from bench.agreement import answer_fields, ttft_fields
@@ -178,7 +178,7 @@ def kl(reference: torch.Tensor, cached: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def summarize(rows: Sequence[Row]) -> dict[str, Any]:
+def summarize(rows: Sequence[Row], config: PromptCacheConfig | None = None) -> dict[str, Any]:
     hit = [r for r in rows if r.cached.usage.cached_tokens > 0]
     total = sum(r.prompt_tokens for r in rows) or 1
     u = [r.cached.usage for r in rows]
@@ -213,7 +213,7 @@ def summarize(rows: Sequence[Row]) -> dict[str, Any]:
         # call (fallback) or for a repair given up; in replay order, and counted
         "served": {k: sum(x.served == k for x in u) for k in SERVED},
         "served_per_request": [x.served for x in u],
-        **logit_error_fields(rows),
+        **logit_error_fields(rows, config),
         **float32_fields(rows),
     }
 
@@ -271,7 +271,7 @@ def _request_fields(r: Row) -> dict[str, Any]:
         "prefilled_tokens": u.prefilled_tokens,
         "fallback_tokens": u.fallback_tokens,
         "repair_residual": u.repair_residual,
-        "repair_depth": round(u.repair_depth, 4),
+        "repair_depth": None if u.repair_depth is None else round(u.repair_depth, 4),
         # the smallest gap between the best two logits along the full prefill's answer
         "reference_min_margin": round(min(r.reference.margins), 4) if r.reference.margins else None,
         # the full prefill's answer, to set beside another run's (other numerics, another model)
@@ -300,7 +300,7 @@ def gap_error(reference: torch.Tensor, cached: torch.Tensor) -> float:
     return float(err[best[0]] - err[best[1]])
 
 
-def logit_error_fields(rows: Sequence[Row]) -> dict[str, Any]:
+def logit_error_fields(rows: Sequence[Row], config: PromptCacheConfig | None = None) -> dict[str, Any]:
     """First-token logit errors of the requests whose decoding the guard watches (content reuse in
     repair mode), beside the residual repair left: ``gap_errors`` (see :func:`gap_error`) and
     ``margin_scale`` = the largest ``|gap error| / sqrt(residual)``, the scale a guard margin
@@ -312,15 +312,31 @@ def logit_error_fields(rows: Sequence[Row]) -> dict[str, Any]:
     scales = [abs(g) / math.sqrt(u.repair_residual) for g, u in zip(gaps, usage, strict=True)]
     # the same against the residual scaled by how the recomputed rows' deviation grew with depth
     # (``Repaired.depth``): a predictor is better where the scales it needs spread less
-    deep = [abs(g) / math.sqrt(u.repair_residual * u.repair_depth) for g, u in zip(gaps, usage, strict=True)]
+    deep = [
+        abs(g) / math.sqrt(u.repair_residual * u.repair_depth)
+        for g, u in zip(gaps, usage, strict=True)
+        if u.repair_depth is not None
+    ]
 
     def spread(xs: list[float]) -> list[float] | None:
         xs = [x for x in xs if x > 0]
         return [round(min(xs), 3), round(max(xs), 3)] if xs else None
 
+    out: dict[str, Any] = {}
+    if config is not None:
+        # the largest depth unit under which every measured request's margin (the residual's,
+        # narrowed by its depth) would still be twice its |gap error|: what repair_depth_unit
+        # may be set to on this traffic (None: no request bounds it)
+        bounds = []
+        for g, u in zip(gaps, usage, strict=True):
+            whole = guard_margin(config.repair_margin, u.repair_residual, config.repair_residual_unit)
+            if g != 0 and u.repair_depth is not None:
+                bounds.append(u.repair_depth * (whole / (2 * abs(g))) ** 2)
+        out["depth_unit_max"] = round(min(bounds), 3) if bounds else None
     return {
+        **out,
         "gap_errors": [round(g, 5) for g in gaps],
-        "repair_depths": [round(u.repair_depth, 4) for u in usage],
+        "repair_depths": [None if u.repair_depth is None else round(u.repair_depth, 4) for u in usage],
         "margin_scale": round(max(scales), 2) if scales else None,
         "margin_scale_depth": round(max(deep), 2) if deep else None,
         "scale_spread": {"residual": spread(scales), "residual_x_depth": spread(deep)},
@@ -437,7 +453,7 @@ def _keep(
         f"ttft {ref.segmented.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"1-pass ttft {ref.one_pass.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"e2e {ref.one_pass.total_s / max(cached.total_s, 1e-9):5.2f}x"
-        f" residual {cached.usage.repair_residual:.1e} depth {cached.usage.repair_depth:.3g}"
+        f" residual {cached.usage.repair_residual:.1e} depth {cached.usage.repair_depth or 0:.3g}"
         f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
     )
 
@@ -691,7 +707,7 @@ def run_policies(
                 seed=args.seed,
                 concurrency=args.concurrency,
             )
-            report["policies"][name] = {m: summarize(r) for m, r in rows.items()}
+            report["policies"][name] = {m: summarize(r, config) for m, r in rows.items()}
             if config.repair_margin == 0 and "repair" in rows:
                 report["policies"][name]["repair"]["guard_curve"] = guard_curve(rows["repair"])
             if peer is not None:

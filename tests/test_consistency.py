@@ -117,16 +117,23 @@ def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> N
     from agent.engine.prompt_cache import PromptUsage
     from agent.modes import guard_margin
 
-    def row(ref: list[float], cached: list[float], relocated: int, residual: float, fallback: int = 0) -> Row:
+    def row(
+        ref: list[float],
+        cached: list[float],
+        relocated: int,
+        residual: float,
+        fallback: int = 0,
+        depth: float | None = None,
+    ) -> Row:
         usage = PromptUsage(
             100, 0, relocated, 100 - relocated, relocated, 0, 0, "repair",
-            repair_residual=residual, fallback_tokens=fallback,
+            repair_residual=residual, fallback_tokens=fallback, repair_depth=depth,
         )  # fmt: skip
         reference = Outcome([int(torch.tensor(ref).argmax())], torch.tensor(ref), 1.0, 1.0, usage, [])
         return Row("s", 0, 100, Outcome([], torch.tensor(cached), 1.0, 1.0, usage, []), reference)
 
-    flip = row([2.0, 1.9, 0.0, -1.0], [1.0, 2.4, 0.0, -1.0], 40, 0.09)  # best two moved -1.0, +0.5
-    clear = row([0.0, 4.0, 1.0, 0.0], [0.0, 4.2, 1.4, 0.0], 40, 0.04)  # +0.2, +0.4
+    flip = row([2.0, 1.9, 0.0, -1.0], [1.0, 2.4, 0.0, -1.0], 40, 0.09, depth=4.0)  # best two moved -1.0, +0.5
+    clear = row([0.0, 4.0, 1.0, 0.0], [0.0, 4.2, 1.4, 0.0], 40, 0.04, depth=1.0)  # +0.2, +0.4
     wider = row([1.0, 0.0, 3.0, 2.0], [1.0, 0.0, 3.3, 1.9], 40, 0.01)  # +0.3, -0.1
     rows = [
         flip,
@@ -142,6 +149,16 @@ def test_margin_scale_covers_the_gap_errors_of_rows_whose_answer_is_known() -> N
     # (the given-up repair answered on exact KV) or not measured have no part in it
     assert report["gap_errors"] == pytest.approx([-1.5, -0.2, 0.4])
     assert report["margin_scale"] == pytest.approx(5.0)
+    # with the depths measured (none for ``wider``): per sqrt(residual x depth) 1.5 / 0.6 and
+    # 0.2 / 0.2; and under a margin of 0.5 at a residual of 0.01 (1.5 for the flip, 1.0 for the
+    # clear call), the depth unit that keeps each margin twice its error: 4 x (1.5 / 3.0)^2 and
+    # 1 x (1.0 / 0.4)^2, the smaller bounding it
+    assert report["margin_scale_depth"] == pytest.approx(2.5)
+    assert report["scale_spread"] == {"residual": [1.0, 5.0], "residual_x_depth": [1.0, 2.5]}
+    assert report["repair_depths"] == [4.0, 1.0, None]
+    assert "depth_unit_max" not in report
+    config = PromptCacheConfig(repair_margin=0.5, repair_residual_unit=0.01)
+    assert summarize(rows, config)["depth_unit_max"] == pytest.approx(1.0)
 
     class Stub:  # what decode needs of an adapter for one greedy token
         tokenizer, eos_ids = ByteTokenizer(), frozenset()
