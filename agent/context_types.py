@@ -71,9 +71,9 @@ class WindowConfig:
     chunk after the window's exact leading run, the repair_ratio share deviating most at layer 1
     is recomputed in the window (up to repair_max_ratio while the deviation left is above
     repair_residual_unit; :meth:`ContextManager.repair`); the guard's margin is repair_margin at a
-    residual of repair_residual_unit, scaled by the square root of the residual left and narrowed
-    where the recomputed tokens' deviation did not grow through the later layers
-    (repair_depth_unit, ``agent.modes.guard_margin``); a window
+    residual of repair_residual_unit and a depth of repair_depth_unit, scaled by the square root of
+    the residual left times the depth the recomputed tokens measured (``agent.modes.guard_margin``);
+    a window
     whose residual calls for more than repair_margin_cap is answered on a fresh prefill from the
     start, and so is one whose chance of a close call at its margin makes going on cost more than
     that prefill (repair_must_pay, ``agent/engine/close_calls.py``)."""

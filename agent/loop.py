@@ -111,6 +111,7 @@ class StepReport:
     # start because the window's residual called for a margin beyond the cap (given_up)
     served: str = "prefix"
     repair_residual: float | None = None  # the deviation the inexact chunks still had (repaired)
+    repair_depth: float | None = None  # how the recomputed tokens' deviation grew past layer 1
     tokens_repaired: int = 0  # their tokens recomputed through every layer (ContextManager.repair)
     guard_margin: float | None = None  # the guard's margin where one watched the step
     escalated_at: int | None = None  # the decode step a close call moved to a fresh prefill
@@ -274,8 +275,15 @@ class Agent:
                     self.close_calls.add_residual(residual)
                     self.close_calls.add_depth(depth, cfg.repair_depth_unit)
                 measured = cfg.repair_residual_unit if residual is None else residual
-                give_up = measured > cfg.give_up_residual or (
-                    done.given_up if done is not None else pays is not None and not pays(measured, 0)
+                # beyond the cap at the residual (tested at the selection layer), or once the
+                # recompute measured its depth
+                deep = guard_margin(
+                    cfg.repair_margin, measured, cfg.repair_residual_unit, depth, cfg.repair_depth_unit
+                )
+                give_up = (
+                    measured > cfg.give_up_residual
+                    or 0 < cfg.repair_margin_cap < deep
+                    or (done.given_up if done is not None else pays is not None and not pays(measured, 0))
                 )
         # every new chunk of the step in as few forward passes as the budget allows, the
         # instruction in the last of them; except in exact mode, where a window that is not what a
@@ -349,6 +357,7 @@ class Agent:
             evicted=tuple(e for e in cm.evicted if e not in evicted_before),
             served=served,
             repair_residual=residual,
+            repair_depth=depth,
             tokens_repaired=repaired,
             guard_margin=None if guard is None else guard.margin,
             escalated_at=decoded.escalated_at,

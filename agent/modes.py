@@ -58,11 +58,14 @@ REPAIR_MARGIN = 0.5
 REPAIR_RESIDUAL_UNIT = 8e-7
 REPAIR_MARGIN_CAP = 3.0
 # The layer-1 residual undercounts what a change that alters the text's meaning (turns removed,
-# passages reordered) leaves in the later layers, so the unit above is set on the worst of those
-# (``docs/consistency.md``). Repair measures how the tokens it recomputed deviated past the
-# selection layer against at it (``agent.recompute.Repaired.depth``); a repair whose depth is
-# below REPAIR_DEPTH_UNIT has its margin lowered by sqrt(depth / unit), never raised (0: off).
-REPAIR_DEPTH_UNIT = 0.0
+# passages reordered) leaves in the later layers, by a factor that differs by traffic. Repair
+# measures it on the tokens it recomputes: how their deviation grew past the selection layer
+# against at it (``agent.recompute.Repaired.depth``). The margin then scales with
+# sqrt(residual x depth): REPAIR_MARGIN at a residual of REPAIR_RESIDUAL_UNIT and a depth of
+# REPAIR_DEPTH_UNIT. Where no depth was measured the margin is the residual's alone, as if the
+# depth were the unit. Set on the dev half (``docs/consistency.md``): twice the largest first-token
+# gap error per sqrt(residual x depth) measured there, 15.5, is 31; 0.5 / sqrt(8e-7 x 320) = 31.25.
+REPAIR_DEPTH_UNIT = 320.0
 
 
 def guard_margin(
@@ -72,17 +75,19 @@ def guard_margin(
     at a residual of ``unit``, scaled by ``sqrt(residual / unit)`` up and down (the residual is an
     energy ratio; the logits' error follows its amplitude). ``unit`` 0: ``margin`` always. Then,
     where the repair measured its ``depth`` (``agent.recompute.Repaired.depth``; None: not
-    measured) and ``depth_unit`` > 0, times ``sqrt(min(1, depth / depth_unit))``: a repair whose
-    deviation did not grow through the later layers gets a narrower margin, none a wider one."""
+    measured) and ``depth_unit`` > 0, times ``sqrt(depth / depth_unit)``: a repair whose deviation
+    grew less through the later layers than the unit gets a narrower margin, one whose grew more
+    a wider one."""
     out = margin if unit <= 0 else margin * math.sqrt(max(0.0, residual) / unit)
     return out * depth_factor(depth, depth_unit)
 
 
 def depth_factor(depth: float | None, depth_unit: float) -> float:
-    """What a measured ``depth`` does to the guard's margin (:func:`guard_margin`): at most 1."""
+    """What a measured ``depth`` does to the guard's margin (:func:`guard_margin`); 1.0 where not
+    measured or the unit is 0."""
     if depth is None or depth_unit <= 0 or not math.isfinite(depth):
         return 1.0
-    return math.sqrt(min(1.0, max(0.0, depth) / depth_unit))
+    return math.sqrt(max(0.0, depth) / depth_unit)
 
 
 def give_up_residual(margin: float, unit: float, cap: float) -> float:

@@ -72,7 +72,7 @@ from agent.engine.full_prefill import full_prefill
 from agent.engine.generation import Decoded, SamplingParams
 from agent.engine.prompt import Prompt
 from agent.engine.prompt_cache import SERVED, PromptCache, PromptCacheConfig, build_prompt
-from agent.modes import REUSE_MODES, ReuseMode, guard_margin
+from agent.modes import REPAIR_MARGIN, REUSE_MODES, ReuseMode, guard_margin
 from agent.tables import make_console
 from agent.tables import print_table as draw
 from bench.agreement import answer_fields, ttft_fields
@@ -325,11 +325,13 @@ def logit_error_fields(rows: Sequence[Row], config: PromptCacheConfig | None = N
     out: dict[str, Any] = {}
     if config is not None:
         # the largest depth unit under which every measured request's margin (the residual's,
-        # narrowed by its depth) would still be twice its |gap error|: what repair_depth_unit
-        # may be set to on this traffic (None: no request bounds it)
+        # scaled by sqrt(depth / unit)) would still be twice its |gap error|: what
+        # repair_depth_unit may be set to on this traffic (None: no request bounds it); under the
+        # margin set, or the default where the guard was off for the calibration
+        margin = config.repair_margin or REPAIR_MARGIN
         bounds = []
         for g, u in zip(gaps, usage, strict=True):
-            whole = guard_margin(config.repair_margin, u.repair_residual, config.repair_residual_unit)
+            whole = guard_margin(margin, u.repair_residual, config.repair_residual_unit)
             if g != 0 and u.repair_depth is not None:
                 bounds.append(u.repair_depth * (whole / (2 * abs(g))) ** 2)
         out["depth_unit_max"] = round(min(bounds), 3) if bounds else None
@@ -546,8 +548,8 @@ def parser() -> argparse.ArgumentParser:
         "--repair-depth-unit",
         type=float,
         default=PromptCacheConfig.repair_depth_unit,
-        help="a repair whose recomputed tokens deviated less past the selection layer than this "
-        "has its margin narrowed by sqrt(depth / unit) (0: the residual alone)",
+        help="the depth (how the recomputed tokens' deviation grew past the selection layer) at "
+        "which the margin is the residual's; it scales with sqrt(depth / unit) (0: the residual alone)",
     )
     p.add_argument(
         "--repair-must-pay",

@@ -215,14 +215,14 @@ def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> N
     assert answer(shrunk, moved, "", "repair", PARAMS).decoded.escalated_at is None
 
 
-def test_a_measured_depth_below_its_unit_narrows_the_margin_and_never_widens_it(llama: Any) -> None:  # noqa: F811
-    """``repair_depth_unit``: a repair that measured its depth (``PromptUsage.repair_depth``) below
-    the unit has its margin narrowed by sqrt(depth / unit); at or above the unit, or unmeasured,
-    the margin is the residual's alone. Through the answer path: a margin that sends the first
-    step to exact KV on the residual alone keeps the repaired KV once a huge depth unit narrows it,
-    and a tiny depth unit changes nothing."""
+def test_the_margin_scales_with_the_depth_repair_measured(llama: Any) -> None:  # noqa: F811
+    """``repair_depth_unit``: a repair that measured its depth (``PromptUsage.repair_depth``) has
+    its margin scaled by sqrt(depth / unit), down and up; unmeasured, or with the unit 0, the
+    margin is the residual's alone. Through the answer path: a margin that sends the first step
+    to exact KV on the residual alone keeps the repaired KV once a huge depth unit narrows it, and
+    a tiny one widens it further."""
     assert guard_margin(0.5, 1e-4, 1e-4, 4.0, 16.0) == pytest.approx(0.25)
-    assert guard_margin(0.5, 1e-4, 1e-4, 64.0, 16.0) == 0.5
+    assert guard_margin(0.5, 1e-4, 1e-4, 64.0, 16.0) == pytest.approx(1.0)
     assert guard_margin(0.5, 1e-4, 1e-4, None, 16.0) == 0.5
     assert guard_margin(0.5, 1e-4, 1e-4, 4.0, 0.0) == 0.5
     assert guard_margin(0.5, 1e-4, 1e-4, float("nan"), 16.0) == 0.5

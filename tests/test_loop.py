@@ -14,7 +14,7 @@ from agent.context import WindowConfig
 from agent.engine.chat import ByteTokenizer, ChatML
 from agent.engine.close_calls import CloseCalls
 from agent.loop import Agent, TextObservation
-from agent.modes import REPAIR_MARGIN, REPAIR_RESIDUAL_UNIT, guard_margin
+from agent.modes import REPAIR_DEPTH_UNIT, REPAIR_MARGIN, REPAIR_RESIDUAL_UNIT, guard_margin
 
 SYSTEM = "You answer from notes."
 NOTES = [TextObservation(" ".join(f"note {i}.{j} is {i * j}" for j in range(12))) for i in range(6)]
@@ -164,7 +164,8 @@ def steps(adapter: Any, **window: Any) -> list[Any]:
 def test_repair_s_guard_margin_follows_the_residual_the_window_left(llama: Any) -> None:
     """Chat completions' repair on a window: a step on an exact window needs none; once a slide
     moved the window, the moved chunks' most deviating tokens are recomputed, and the guard's margin
-    is the configured one scaled by the square root of the residual left over the unit (no cap
+    is the configured one scaled by the square root of the residual left over its unit times the
+    depth measured over its unit (no cap
     here, and no test of what the repair would pay: nothing is given up). The answers are exact
     mode's."""
     exact = [r.output for r in steps(llama, reuse="exact")]
@@ -184,7 +185,11 @@ def test_repair_s_guard_margin_follows_the_residual_the_window_left(llama: Any) 
         assert rep.repair_residual is not None
         assert rep.repair_residual > 0
         assert rep.tokens_repaired > 0
-        want = guard_margin(REPAIR_MARGIN, rep.repair_residual, REPAIR_RESIDUAL_UNIT)
+        assert rep.repair_depth is not None
+        assert rep.repair_depth > 0
+        want = guard_margin(
+            REPAIR_MARGIN, rep.repair_residual, REPAIR_RESIDUAL_UNIT, rep.repair_depth, REPAIR_DEPTH_UNIT
+        )
         assert rep.guard_margin == pytest.approx(want)
         if rep.served == "moved":
             assert rep.tokens_reused > 0

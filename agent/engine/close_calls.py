@@ -129,7 +129,8 @@ class CloseCalls:
                 self._depths.append(depth_factor(depth, depth_unit))
 
     def depth_factor(self) -> float:
-        """The median of what the depths measured lately did to the margin (1.0: none measured).
+        """The median of what the depths measured lately did to the margin (1.0: none measured,
+        the margin then the residual's alone).
         A repair is put to its test before its depth is measured (which takes its recompute):
         this is the guess its test takes for it."""
         with self._lock:
@@ -167,13 +168,13 @@ class CloseCalls:
         """The test a repair is put to (:func:`repair_pays`), asked with the residual it would
         leave and the tokens it would recompute: the guard's margin at that residual
         (``margin`` at a residual of ``unit``, ``agent.modes.guard_margin``; with ``depth_unit``,
-        narrowed as recent repairs' depths narrowed theirs, :meth:`depth_factor`), ``remaining``
+        scaled as recent repairs' depths scaled theirs, :meth:`depth_factor`), ``remaining``
         tokens still to prefill on moved KV, ``exact`` what giving up prefills, ``steps`` the
         answer's most steps."""
-        narrowed = self.depth_factor() if depth_unit > 0 else 1.0
+        scaled = self.depth_factor() if depth_unit > 0 else 1.0
 
         def pays(residual: float, recomputed: int) -> bool:
-            risk = self.risk(guard_margin(margin, residual, unit) * narrowed, steps)
+            risk = self.risk(guard_margin(margin, residual, unit) * scaled, steps)
             return repair_pays(risk, self.step_tokens(), recomputed, remaining, exact)
 
         return pays

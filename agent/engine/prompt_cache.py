@@ -96,6 +96,7 @@ from agent.modes import (
     ReuseMode,
     check_mode,
     give_up_residual,
+    guard_margin,
 )
 from agent.recompute import DeviationSelection, Repaired, recompute_into
 from cache import records
@@ -137,9 +138,10 @@ class PromptCacheConfig:
     A piece whose repair could not measure (no recompute ran) reports the unit.
     repair_margin_cap: a repair whose residual calls for a larger margin is given up once its
     selection layer has measured it, before any token runs on through the later layers, and the
-    prompt is prepared exact at once (0: never given up). repair_depth_unit: a repair whose
-    recomputed tokens deviated less through the later layers, against at the selection layer,
-    than this (``PromptUsage.repair_depth``) has its margin narrowed by sqrt(depth / unit)
+    prompt is prepared exact at once (0: never given up); a repair whose margin exceeds it once
+    its depth is measured is given up then. repair_depth_unit: the depth
+    (``PromptUsage.repair_depth``: how the recomputed tokens' deviation grew past the selection
+    layer) at which the margin is as the residual sets it; it scales with sqrt(depth / unit)
     (``agent.modes.guard_margin``; 0: the residual alone). repair_must_pay: a repair is also given
     up there when going on is expected to cost more than the exact prefill: the tokens it
     recomputes and those still to prefill on moved KV, plus, with the chance of a close call at its
@@ -377,7 +379,7 @@ class PromptCache:
                 done = self._repair(
                     prompt, cache, repair, self._pays(misses_left[i], exact_cost - held, steps)
                 )
-                if done.given_up or done.residual > self.config.give_up_residual:
+                if done.given_up or done.residual > self.config.give_up_residual or self._beyond_cap(done):
                     given_up = done.residual
                     break
                 counts["repaired"] += done.tokens
@@ -470,6 +472,17 @@ class PromptCache:
         return self.close_calls.repair_test(
             cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, cfg.repair_depth_unit
         )
+
+    def _beyond_cap(self, done: Repaired) -> bool:
+        """Whether the guard's margin, with the depth the repair measured, exceeds the cap (the
+        residual alone was tested at the selection layer, before the depth was known)."""
+        cfg = self.config
+        if cfg.repair_margin_cap <= 0 or cfg.repair_margin <= 0 or done.depth is None:
+            return False
+        margin = guard_margin(
+            cfg.repair_margin, done.residual, cfg.repair_residual_unit, done.depth, cfg.repair_depth_unit
+        )
+        return margin > cfg.repair_margin_cap
 
     def _hold(self, rows: list[tuple[TableRow, ChunkKV]]) -> None:
         """Store exactly prefilled segments before the prompt is committed (the commit then finds

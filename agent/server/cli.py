@@ -117,9 +117,9 @@ def parser() -> argparse.ArgumentParser:
         "--repair-depth-unit",
         type=float,
         default=_env("repair_depth_unit", str(REPAIR_DEPTH_UNIT)),
-        help="repair's guard: a repair whose recomputed tokens deviated less in the later layers, "
-        "against the first, than this has its margin narrowed by the square root of the ratio "
-        "(0: the residual alone)",
+        help="repair's guard: the depth (how the recomputed tokens' deviation grew past layer 1) at "
+        "which the margin is the residual's; it scales with the square root of the ratio, up and "
+        "down (0: the residual alone)",
     )
     store.add_argument(
         "--repair-must-pay",

@@ -233,6 +233,7 @@ class CacheReport(BaseModel):
     served: Literal["prefix", "moved", "fallback", "given_up"] = "prefix"
     abandoned_tokens: int = 0  # moved KV found, then not answered from (fallback, given up, not tried)
     repair_residual: float = 0.0  # the deviation repair left, which the guard's margin scales with
+    repair_depth: float | None = None  # how its recomputed tokens' deviation grew past layer 1 (ditto)
     # the step at which a close call moved decoding to exact KV (None: none), and of the tokens
     # already sent by then (streamed or under a grammar), how many the exact path would not have
     # chosen: the answer's text keeps them, the tokens after them are the exact path's

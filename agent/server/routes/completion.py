@@ -175,6 +175,7 @@ def record(state: ServerState, outcome: ChatOutcome, arrival: float, started: fl
         served=u.served,
         abandoned_tokens=u.abandoned_tokens,
         repair_residual=u.repair_residual,
+        repair_depth=u.repair_depth,
         escalated_at=outcome.decoded.escalated_at,
         diverged_tokens=outcome.decoded.diverged,
         queue_ms=round(1000 * (started - arrival), 3),
