@@ -60,12 +60,14 @@ REPAIR_MARGIN_CAP = 3.0
 # The layer-1 residual undercounts what a change that alters the text's meaning (turns removed,
 # passages reordered) leaves in the later layers, by a factor that differs by traffic. Repair
 # measures it on the tokens it recomputes: how their deviation grew past the selection layer
-# against at it (``agent.recompute.Repaired.depth``). The margin then scales with
-# sqrt(residual x depth): REPAIR_MARGIN at a residual of REPAIR_RESIDUAL_UNIT and a depth of
-# REPAIR_DEPTH_UNIT. Where no depth was measured the margin is the residual's alone, as if the
-# depth were the unit. Set on the dev half (``docs/consistency.md``): twice the largest first-token
-# gap error per sqrt(residual x depth) measured there, 15.5, is 31; 0.5 / sqrt(8e-7 x 320) = 31.25.
-REPAIR_DEPTH_UNIT = 320.0
+# against at it (``agent.recompute.Repaired.depth``). With REPAIR_DEPTH_UNIT > 0 the margin
+# scales with sqrt(residual x depth): REPAIR_MARGIN at a residual of REPAIR_RESIDUAL_UNIT and a
+# depth of REPAIR_DEPTH_UNIT. Off by default: per sqrt(residual x depth) the first-token errors
+# spread far less across policies (``docs/consistency.md``, "A predictor that sees the depth"),
+# but the errors a guard must cover come at later decode steps, where a clock's repaired KV moved
+# gaps by 0.1 to 0.25 logits whatever its residual; the narrower margins it gave (320) let three
+# changed answers through on the test half.
+REPAIR_DEPTH_UNIT = 0.0
 
 
 def guard_margin(

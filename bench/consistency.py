@@ -348,6 +348,44 @@ def logit_error_fields(rows: Sequence[Row], config: PromptCacheConfig | None = N
 GUARD_MARGINS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 
+def needed_margin(r: Row) -> float:
+    """The margin a guard needed to keep this unguarded answer equal to the full prefill's: 0 where
+    it is equal; else just above the smallest gap between the answer's best two logits at or
+    before its first token that differs (the guard must meet a close call there to fall back in
+    time). What a margin must cover, read over the whole answer, not the first token alone."""
+    a, b = r.cached.tokens, r.reference.tokens
+    differ = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if differ is None and len(a) != len(b):
+        differ = min(len(a), len(b))
+    if differ is None:
+        return 0.0
+    gaps = r.cached.margins[: differ + 1]
+    return float(min(gaps)) if gaps else float("inf")
+
+
+def needed_fields(rows: Sequence[Row]) -> dict[str, Any]:
+    """Per request decoded on repaired KV (content reuse in repair mode) with the guard off: the
+    margin it needed (:func:`needed_margin`) beside its residual and depth, in replay order, and
+    the largest need per sqrt(residual) and per sqrt(residual x depth): the scales a margin rule
+    must reach to keep every answer."""
+    watched = [r for r in rows if _moved(r.cached.usage) and r.cached.usage.repair_residual > 0]
+    needs = [needed_margin(r) for r in watched]
+
+    def scale(depth: bool) -> float | None:
+        xs = []
+        for need, r in zip(needs, watched, strict=True):
+            u = r.cached.usage
+            if need > 0 and (not depth or u.repair_depth is not None):
+                xs.append(need / math.sqrt(u.repair_residual * (u.repair_depth if depth else 1.0)))
+        return round(max(xs), 2) if xs else None
+
+    return {
+        "needed_margins": [round(x, 5) for x in needs],
+        "needed_scale": scale(False),
+        "needed_scale_depth": scale(True),
+    }
+
+
 def guard_curve(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """For each margin: the share of requests with hits whose answer a guard at that margin would
     keep equal to the full prefill's (it falls back at or before the first token that differs),
@@ -712,6 +750,7 @@ def run_policies(
             report["policies"][name] = {m: summarize(r, config) for m, r in rows.items()}
             if config.repair_margin == 0 and "repair" in rows:
                 report["policies"][name]["repair"]["guard_curve"] = guard_curve(rows["repair"])
+                report["policies"][name]["repair"] |= needed_fields(rows["repair"])
             if peer is not None:
                 report["policies"][name]["llama-server"] = summarize_peer(peer_rows)
 

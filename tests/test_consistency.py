@@ -361,3 +361,38 @@ def test_float32_products_report_no_float32_answers(llama: Any) -> None:
     summary = summarize(rows)
     assert "float32_agreement" not in summary
     assert all("float32_tokens" not in f for f in summary["per_request"])
+
+
+def test_the_margin_an_unguarded_answer_needed_is_read_over_its_whole_answer() -> None:
+    """An answer equal to the full prefill's needed no margin; one that parts from it at step k
+    needed a margin above the smallest gap of its steps up to k, wherever that lies (a first token
+    with a clear call does not make a later close one safe); the scales are the largest need per
+    sqrt(residual) and per sqrt(residual x depth)."""
+    from agent.engine.prompt_cache import PromptUsage
+    from bench.consistency import needed_fields, needed_margin
+
+    def row(cached: list[int], gaps: list[float], ref: list[int], residual: float, depth: float) -> Row:
+        usage = PromptUsage(
+            100, 0, 40, 60, 40, 0, 0, "repair", repair_residual=residual, repair_depth=depth
+        )  # fmt: skip
+        logits = torch.zeros(4)
+        return Row(
+            "s", 0, 100,
+            Outcome(cached, logits, 1.0, 1.0, usage, gaps),
+            Outcome(ref, logits, 1.0, 1.0, usage, [1.0] * len(ref)),
+        )  # fmt: skip
+
+    same = row([1, 2, 3], [2.0, 0.01, 3.0], [1, 2, 3], 1e-6, 4.0)
+    late = row([1, 2, 3], [2.0, 0.3, 0.2], [1, 2, 0], 1e-6, 4.0)  # parts at step 2: min(2, .3, .2)
+    early = row([1, 2, 3], [0.5, 0.1, 0.01], [1, 0, 3], 4e-6, 1.0)  # parts at step 1: min(.5, .1)
+    short = row([1, 2], [0.7, 0.4], [1, 2, 3], 1e-6, 1.0)  # stopped early: parts at step 2
+    assert needed_margin(same) == 0.0
+    assert needed_margin(late) == pytest.approx(0.2)
+    assert needed_margin(early) == pytest.approx(0.1)
+    assert needed_margin(short) == pytest.approx(0.4)
+    got = needed_fields([same, late, early, short])
+    assert got["needed_margins"] == pytest.approx([0.0, 0.2, 0.1, 0.4])
+    # per sqrt(residual): 0.2 / 1e-3, 0.1 / 2e-3, 0.4 / 1e-3; per sqrt(residual x depth): 0.2 / 2e-3
+    assert got["needed_scale"] == pytest.approx(400.0)
+    assert got["needed_scale_depth"] == pytest.approx(400.0)
+    assert needed_fields([same])["needed_scale"] is None
