@@ -43,7 +43,7 @@ from agent.engine.close_calls import CloseCalls
 from agent.engine.generation import SamplingParams, decode
 from agent.engine.prompt_cache import Served
 from agent.grammar import Constraint, GrammarEngine
-from agent.modes import guard_margin
+from agent.modes import depth_unit_for, guard_margin
 from agent.policies import Policy, make_policy
 from agent.recompute import DeviationSelection
 from cache.store import StoreConfig, TieredStore
@@ -273,12 +273,12 @@ class Agent:
                 depth = None if done is None else done.depth
                 if residual is not None:
                     self.close_calls.add_residual(residual)
-                    self.close_calls.add_depth(depth, cfg.repair_depth_unit)
+                    self.close_calls.add_depth(depth, self._depth_unit)
                 measured = cfg.repair_residual_unit if residual is None else residual
                 # beyond the cap at the residual (tested at the selection layer), or once the
                 # recompute measured its depth
                 deep = guard_margin(
-                    cfg.repair_margin, measured, cfg.repair_residual_unit, depth, cfg.repair_depth_unit
+                    cfg.repair_margin, measured, cfg.repair_residual_unit, depth, self._depth_unit
                 )
                 give_up = (
                     measured > cfg.give_up_residual
@@ -306,7 +306,7 @@ class Agent:
             # the guard's margin follows the deviation left (unmeasured: the margin as set)
             measured = cfg.repair_residual_unit if residual is None else residual
             margin = guard_margin(
-                cfg.repair_margin, measured, cfg.repair_residual_unit, depth, cfg.repair_depth_unit
+                cfg.repair_margin, measured, cfg.repair_residual_unit, depth, self._depth_unit
             )
             guard = _FreshWindow(cm, prompt, margin)
         # the answer rests on the window's KV (else on a fresh prefill of the window)
@@ -393,6 +393,11 @@ class Agent:
             if encoder_calls(self.adapter) == encoder_before:
                 calls.observe_prefill(prefilled, decoded.first_token_at - t0)
 
+    @property
+    def _depth_unit(self) -> float:
+        """The guard's depth unit for this model (``agent.modes.depth_unit_for``)."""
+        return depth_unit_for(self.context.config.repair_depth_unit, self.adapter.quantised_decode)
+
     def _pays(self, remaining: int, exact: int, steps: int) -> Callable[[float, int], bool] | None:
         """Chat completions' test of whether a repair is worth going on with
         (``CloseCalls.repair_test``): ``remaining`` tokens to prefill on the window, ``exact``
@@ -401,7 +406,7 @@ class Agent:
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
         return self.close_calls.repair_test(
-            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, cfg.repair_depth_unit
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, self._depth_unit
         )
 
     def _constraint(self, max_tokens: int) -> Constraint | None:

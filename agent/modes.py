@@ -60,14 +60,13 @@ REPAIR_MARGIN_CAP = 3.0
 # The layer-1 residual undercounts what a change that alters the text's meaning (turns removed,
 # passages reordered) leaves in the later layers, by a factor that differs by traffic. Repair
 # measures it on the tokens it recomputes: how their deviation grew past the selection layer
-# against at it (``agent.recompute.Repaired.depth``). With REPAIR_DEPTH_UNIT > 0 the margin
-# scales with sqrt(residual x depth): REPAIR_MARGIN at a residual of REPAIR_RESIDUAL_UNIT and a
-# depth of REPAIR_DEPTH_UNIT. Off by default: per sqrt(residual x depth) the first-token errors
-# spread far less across policies (``docs/consistency.md``, "A predictor that sees the depth"),
-# but the errors a guard must cover come at later decode steps, where a clock's repaired KV moved
-# gaps by 0.1 to 0.25 logits whatever its residual; the narrower margins it gave (320) let three
-# changed answers through on the test half.
-REPAIR_DEPTH_UNIT = 0.0
+# against at it (``agent.recompute.Repaired.depth``). The margin then scales with
+# sqrt(residual x depth): REPAIR_MARGIN at a residual of REPAIR_RESIDUAL_UNIT and a depth of
+# REPAIR_DEPTH_UNIT (twice the largest first-token gap error per sqrt(residual x depth) on the dev
+# half, 15.5: 0.5 / sqrt(8e-7 x 320) = 31; ``docs/consistency.md``, "A predictor that sees the
+# depth"). Not where decode steps take int8 activations (:func:`depth_unit_for`), and where no
+# depth was measured the margin is the residual's alone, as if the depth were the unit.
+REPAIR_DEPTH_UNIT = 320.0
 
 
 def guard_margin(
@@ -82,6 +81,16 @@ def guard_margin(
     a wider one."""
     out = margin if unit <= 0 else margin * math.sqrt(max(0.0, residual) / unit)
     return out * depth_factor(depth, depth_unit)
+
+
+def depth_unit_for(depth_unit: float, quantised_decode: bool) -> float:
+    """The depth unit a model's guard uses: 0 (the residual alone) where its decode steps take
+    int8 activations. There a repair's first-token error does not bound its later steps' (a small
+    change of the activations moves some of their int8 codes by a whole step): on the dev half a
+    clock's repairs, at most 0.004 logits off on the first token, needed margins up to 0.25 over
+    their answers, and at the depth unit's narrower margins 3 of 21 answers changed, against none
+    of 21 with float32 decode products (``docs/consistency.md``)."""
+    return 0.0 if quantised_decode else depth_unit
 
 
 def depth_factor(depth: float | None, depth_unit: float) -> float:

@@ -215,7 +215,10 @@ def test_the_guard_margin_scales_with_the_deviation_repair_left(llama: Any) -> N
     assert answer(shrunk, moved, "", "repair", PARAMS).decoded.escalated_at is None
 
 
-def test_the_margin_scales_with_the_depth_repair_measured(llama: Any) -> None:  # noqa: F811
+def test_the_margin_scales_with_the_depth_repair_measured(
+    llama: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``repair_depth_unit``: a repair that measured its depth (``PromptUsage.repair_depth``) has
     its margin scaled by sqrt(depth / unit), down and up; unmeasured, or with the unit 0, the
     margin is the residual's alone. Through the answer path: a margin that sends the first step
@@ -234,6 +237,12 @@ def test_the_margin_scales_with_the_depth_repair_measured(llama: Any) -> None:  
         assert out.usage.repair_depth is not None
         assert out.usage.repair_depth > 0
         assert out.decoded.escalated_at == escalated, depth_unit
+    # a model whose decode steps take int8 activations keeps the residual's margin
+    # (``agent.modes.depth_unit_for``): the huge depth unit no longer narrows it
+    pc, moved = _after_first(llama, repair_margin=1e6, repair_depth_unit=1e30, **no_cap)
+    monkeypatch.setattr(type(llama), "quantised_decode", property(lambda self: True))
+    assert pc.depth_unit == 0.0
+    assert answer(pc, moved, "", "repair", PARAMS).decoded.escalated_at == 0
 
 
 def test_a_repair_too_far_to_use_is_given_up_and_answered_exact(llama: Any) -> None:  # noqa: F811

@@ -311,6 +311,27 @@ def test_the_embedded_model_decodes_from_its_blocks(smollm2: Any) -> None:
     assert quant.head.weight.kind == Q8_0
 
 
+def test_a_model_says_whether_its_decode_steps_take_int8_activations(
+    smollm2: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``quantised_decode``: the embedded model's steps take int8 activations where the kernel
+    runs and the setting allows, and then the guard's depth unit is off for it
+    (``agent.modes.depth_unit_for``); a model without blocks never does."""
+    from agent.adapters.loading import load_adapter
+    from agent.modes import REPAIR_DEPTH_UNIT, depth_unit_for
+
+    monkeypatch.setattr(qlinear, "INT8_PRODUCTS", True)
+    assert smollm2.quantised_decode == qdot.vectorised()
+    assert depth_unit_for(REPAIR_DEPTH_UNIT, smollm2.quantised_decode) == (
+        0.0 if qdot.vectorised() else REPAIR_DEPTH_UNIT
+    )
+    monkeypatch.setattr(qlinear, "INT8_PRODUCTS", False)
+    assert not smollm2.quantised_decode
+    assert depth_unit_for(REPAIR_DEPTH_UNIT, smollm2.quantised_decode) == REPAIR_DEPTH_UNIT
+    monkeypatch.setattr(qlinear, "INT8_PRODUCTS", True)
+    assert not load_adapter("tiny:llama-gqa").quantised_decode
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_the_embedded_models_greedy_answers_are_unchanged(
     smollm2: Any, prompt: str, monkeypatch: pytest.MonkeyPatch

@@ -327,6 +327,14 @@ class ModelAdapter(ABC):
         return False
 
     @property
+    def quantised_decode(self) -> bool:
+        """Whether decode steps multiply activations quantised to int8 (a GGUF model's block
+        products, ``agent/adapters/qlinear.py``). Their logits then move in the quantisation's
+        steps, and how far repaired KV moves a later step's logits is not told by how far it
+        moved the first token's (``agent.modes.depth_unit_for``). False unless an adapter says so."""
+        return False
+
+    @property
     def supports_recompute(self) -> bool:
         """Whether the server's repair may recompute token ids of this model's contexts
         (:meth:`run_layers` on text rows). False unless an adapter says so."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from agent.adapters import attention, batched
+from agent.adapters import attention, batched, qlinear
 from agent.adapters.base import (
     ChunkInput,
     ImageInput,
@@ -230,6 +230,10 @@ class DecoderAdapter(ModelAdapter):
     @property
     def attention(self) -> str:
         return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
+
+    @property
+    def quantised_decode(self) -> bool:
+        return self._lean and self.linears is not None and qlinear.int8_products()
 
     @property
     def cut_invariant(self) -> bool:

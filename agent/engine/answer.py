@@ -86,7 +86,7 @@ def answer(
             usage.repair_residual,
             cfg.repair_residual_unit,
             usage.repair_depth,
-            cfg.repair_depth_unit,
+            pc.depth_unit,
         )
         guard = _ToExact(pc, prompt, tenant_salt, margin)
     final = prepared

@@ -95,6 +95,7 @@ from agent.modes import (
     REPAIR_RESIDUAL_UNIT,
     ReuseMode,
     check_mode,
+    depth_unit_for,
     give_up_residual,
     guard_margin,
 )
@@ -283,6 +284,12 @@ class PromptCache:
         # the close calls of this cache's recent answers (``answer.py`` adds them): what a repair risks
         self.close_calls = CloseCalls()
 
+    @property
+    def depth_unit(self) -> float:
+        """The guard's depth unit for this model (``agent.modes.depth_unit_for``: 0 where its
+        decode steps take int8 activations)."""
+        return depth_unit_for(self.config.repair_depth_unit, self.adapter.quantised_decode)
+
     def image_unit(self, content_key: str) -> int:
         """The planning id of an image: one per distinct content key, never reused."""
         unit = self._image_ids.get(content_key)
@@ -470,7 +477,7 @@ class PromptCache:
         if not cfg.repair_must_pay or cfg.repair_margin <= 0:
             return None
         return self.close_calls.repair_test(
-            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, cfg.repair_depth_unit
+            cfg.repair_margin, cfg.repair_residual_unit, remaining, exact, steps, self.depth_unit
         )
 
     def _beyond_cap(self, done: Repaired) -> bool:
@@ -480,7 +487,7 @@ class PromptCache:
         if cfg.repair_margin_cap <= 0 or cfg.repair_margin <= 0 or done.depth is None:
             return False
         margin = guard_margin(
-            cfg.repair_margin, done.residual, cfg.repair_residual_unit, done.depth, cfg.repair_depth_unit
+            cfg.repair_margin, done.residual, cfg.repair_residual_unit, done.depth, self.depth_unit
         )
         return margin > cfg.repair_margin_cap
 
@@ -572,7 +579,7 @@ class PromptCache:
         )
         done = recompute_into(adapter, cache, inputs, positions, selection)
         self.close_calls.add_residual(done.residual)
-        self.close_calls.add_depth(done.depth, self.config.repair_depth_unit)
+        self.close_calls.add_depth(done.depth, self.depth_unit)
         return done
 
     # --- commit: store new segments, index the prompt -----------------------------------
