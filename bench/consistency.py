@@ -375,12 +375,13 @@ def needed_fields(rows: Sequence[Row]) -> dict[str, Any]:
         xs = []
         for need, r in zip(needs, watched, strict=True):
             u = r.cached.usage
-            if need > 0 and (not depth or u.repair_depth is not None):
+            if 0 < need < math.inf and (not depth or u.repair_depth is not None):
                 xs.append(need / math.sqrt(u.repair_residual * (u.repair_depth if depth else 1.0)))
         return round(max(xs), 2) if xs else None
 
     return {
-        "needed_margins": [round(x, 5) for x in needs],
+        # None: no step to meet a close call at (an empty answer where the full prefill's was not)
+        "needed_margins": [round(x, 5) if math.isfinite(x) else None for x in needs],
         "needed_scale": scale(False),
         "needed_scale_depth": scale(True),
     }
@@ -493,7 +494,8 @@ def _keep(
         f"ttft {ref.segmented.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"1-pass ttft {ref.one_pass.ttft_s / max(cached.ttft_s, 1e-9):5.2f}x "
         f"e2e {ref.one_pass.total_s / max(cached.total_s, 1e-9):5.2f}x"
-        f" residual {cached.usage.repair_residual:.1e} depth {cached.usage.repair_depth or 0:.3g}"
+        f" residual {cached.usage.repair_residual:.1e}"
+        f" depth {'-' if cached.usage.repair_depth is None else f'{cached.usage.repair_depth:.3g}'}"
         f" repaired {cached.usage.repaired_tokens}/{cached.usage.relocated_tokens}"
     )
 

@@ -396,3 +396,10 @@ def test_the_margin_an_unguarded_answer_needed_is_read_over_its_whole_answer() -
     assert got["needed_scale"] == pytest.approx(400.0)
     assert got["needed_scale_depth"] == pytest.approx(400.0)
     assert needed_fields([same])["needed_scale"] is None
+    empty = row([], [], [1, 2], 1e-6, 1.0)  # no step at which a guard could have met a close call
+    assert needed_margin(empty) == math.inf
+    assert needed_fields([empty, late]) == {
+        "needed_margins": [None, pytest.approx(0.2)],
+        "needed_scale": pytest.approx(200.0),
+        "needed_scale_depth": pytest.approx(100.0),
+    }
