@@ -151,23 +151,25 @@ def test_another_process_finds_the_exact_prefix_to_the_token_by_its_pointer(llam
     key = after_key(ctx, parted // block * block)
     good = pc.store.get(key)
     assert good is not None
-    ids = list(good.meta["ids"])
+    ((row_key, row_ids),) = good.meta["rows"]
+    ids = list(row_ids)
     ids[1] += 1  # tokens the row does not hold
-    pc.store.put(key, Entry({}, {"key": good.meta["key"], "ids": ids}))
+    pc.store.put(key, Entry({}, {"rows": [[row_key, ids]]}))
     assert served() == parted // block * block
-    pc.store.put(key, Entry({}, {"key": "gone/exact", "ids": list(good.meta["ids"])}))  # another row
+    pc.store.put(key, Entry({}, {"rows": [["gone/exact", list(row_ids)]]}))  # another row
     assert served() == parted // block * block
     for damaged in (
         {"ids": "many"},
-        {"key": good.meta["key"], "ids": 5},
-        {"key": good.meta["key"], "ids": [2**70]},
+        {"rows": [[row_key, 5]]},
+        {"rows": [[row_key, [2**70]]]},
+        {"rows": [row_key, list(row_ids)]},
     ):
         pc.store.put(key, Entry({}, damaged))  # not a pointer: a miss, and a commit writes a good one
         assert served() == parted // block * block
         again = PromptCache(llama, pc.store, CONFIG)
         again.commit(again.prepare(first, "another tenant"))
     pc.store.put(key, good)
-    pc.store.delete(str(good.meta["key"]))  # the row itself evicted
+    pc.store.delete(row_key)  # the row itself evicted
     assert served() == parted // block * block
     # the process that saw the first prompt: its radix tree knew more than the store now holds
     assert pc.prepare(second, mode="exact").usage.lost_entries == 1

@@ -6,13 +6,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from agent.engine import reuse
 from agent.engine.chat import Message
+from agent.engine.prompt import PromptKeys
 from agent.engine.prompt_cache import PromptCache
 from cache.store import Entry, MemoryTier, RedisConfig, RedisTier, TieredStore
 from cache.store.breaker import CircuitBreaker
+from cache.store.codec import decode_entry
 from tests.test_prompt_cache import CONFIG, DOC, full_prefill_logits, llama, prompt_of  # noqa: F401
 
 fakeredis = pytest.importorskip("fakeredis")
@@ -195,8 +199,8 @@ def test_store_prefetch_promotes_into_memory() -> None:
     b.close()
 
 
-def replica(adapter: Any, server: Any) -> PromptCache:
-    shared = tier(fakeredis.FakeRedis(server=server))
+def replica(adapter: Any, server: Any, **kw: Any) -> PromptCache:
+    shared = tier(fakeredis.FakeRedis(server=server), **kw)
     # no cap: a random model's repairs leave more than the guard's cap would let it decode on, and
     # what is checked here is where the reused KV came from
     config = dataclasses.replace(CONFIG, repair_margin_cap=0.0)
@@ -279,6 +283,70 @@ def test_a_replica_follows_rows_stored_from_inside_a_segment(llama: Any) -> None
     warm = b.prepare(prompt, mode="exact")
     assert warm.usage.prefix_tokens == len(head + rest)
     assert torch.equal(warm.logits, b.prepare(prompt, "reference", mode="exact").logits)
+
+
+def back_empty(llama: Any) -> tuple[PromptCache, PromptCache, Any]:  # noqa: F811
+    """Two replicas whose first prompts were prefilled while Redis was away (their writes lost,
+    their rows and pointers held locally), then Redis back empty, as after a restart. A saw a
+    prompt that shares the chat header with later ones; B one that shares more ("You are ")."""
+    server = fakeredis.FakeServer()
+    a, b = replica(llama, server), replica(llama, server)
+    server.connected = False
+    for pc, system in ((a, "Turn 0."), (b, "You are a careful assistant.")):
+        pc.commit(
+            pc.prepare(prompt_of(pc, [Message("system", (system,)), Message("user", ("Hi?",))]), mode="exact")
+        )
+        pc.store.shared.flush()  # type: ignore[union-attr]
+    server.connected = True
+    fakeredis.FakeRedis(server=server).flushall()
+    for pc in (a, b):  # the breakers' probe found it back
+        pc.store.shared.breaker.success()  # type: ignore[union-attr]
+    return a, b, server
+
+
+def test_a_replica_finds_a_segment_whole_where_its_own_reuse_ended_elsewhere(
+    llama: Any,  # noqa: F811
+) -> None:
+    """A reused the first segment of its prompt to the token (its own earlier prompt, as far as
+    the chat header) and prefilled the rest. B's walk stops elsewhere in that segment (its own
+    earlier prompt shared more), where no row of A's begins: B finds the segment whole by its
+    key, which A's commit stored, and goes on through A's whole prompt, exact."""
+    a, b, _ = back_empty(llama)
+    first = [Message("system", ("You are terse.",)), Message("user", (DOC, "Sum it up in a line."))]
+    prompt = prompt_of(a, first)
+    made = a.prepare(prompt, mode="exact")
+    assert 0 < made.usage.prefix_tokens < CONFIG.block_tokens  # the header, from its own earlier prompt
+    a.commit(made)
+    a.store.shared.flush()  # type: ignore[union-attr]
+    longer = prompt_of(b, [*first, Message("assistant", ("Done.",)), Message("user", ("More?",))])
+    warm = b.prepare(longer, mode="exact")
+    assert warm.usage.prefix_tokens == prompt.n_tokens, warm.usage
+    assert warm.usage.shared_tokens > 0
+    assert torch.equal(warm.logits, full_prefill_logits(llama, longer))
+
+
+def test_a_replica_reads_the_shared_pointer_beside_its_own(llama: Any) -> None:  # noqa: F811
+    """B's prompt parts from A's inside the first segment. B's own pointer after the empty
+    context lists only its earlier prompt; the shared tier's, rewritten by A, lists A's row
+    first: B reads both and reuses A's row to where the prompts part, exact."""
+    a, b, server = back_empty(llama)
+    doc = (DOC, "Sum it up in a line.")
+    first = prompt_of(a, [Message("system", ("You are terse. Keep it short.",)), Message("user", doc)])
+    a.commit(a.prepare(first, mode="exact"))
+    a.store.shared.flush()  # type: ignore[union-attr]
+    second = prompt_of(b, [Message("system", ("You are terse. Be kind.",)), Message("user", doc)])
+    parted = int(np.flatnonzero(first.units[: second.n_tokens] != second.units[: first.n_tokens])[0])
+    assert parted < CONFIG.block_tokens
+    warm = b.prepare(second, mode="exact")
+    assert warm.usage.prefix_tokens == parted, warm.usage
+    assert torch.equal(warm.logits, full_prefill_logits(llama, second))
+    # a pointer's list: the newest row first, each row once, the rows it supersedes left out
+    key = reuse.after_key(PromptKeys(first, a.planner("").namespace, first.cuts(CONFIG.block_tokens)), 0)
+    listed = reuse.read_pointer(
+        decode_entry(fakeredis.FakeRedis(server=server).get("kamera:" + key), key).meta
+    )
+    assert len({k for k, _ in listed}) == len(listed) >= 2
+    assert np.array_equal(listed[0][1], first.units[: CONFIG.block_tokens])
 
 
 def test_entry_of_other_tokens_is_refused_after_prefetch() -> None:

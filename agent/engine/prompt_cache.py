@@ -80,11 +80,13 @@ from agent.engine.prompt import (
     Record,
     TableRow,
     build_prompt,
+    cut_back,
+    fits,
     ids_upto,
     passes,
     split_pass,
 )
-from agent.engine.reuse import Finder, after_key, read_pointer
+from agent.engine.reuse import Finder, after_key, pointer_meta, pointer_rows, read_pointer
 from agent.modes import (
     DEFAULT_MODE,
     REPAIR_DEPTH_UNIT,
@@ -264,6 +266,8 @@ class Prepared:
     rows: list[tuple[TableRow, ChunkKV | None]]  # the record's table; KV for the rows to store
     exact_units: int
     stored: bool = False
+    # the shared tier's copies of the pointer entries this prompt read (``reuse.Finder.pointers``)
+    pointers: dict[str, Entry] = field(default_factory=dict)
 
 
 class PromptCache:
@@ -451,7 +455,9 @@ class PromptCache:
         # a prefill's own time: nothing placed by content, nothing repaired, no frame encoded
         if not counts["relocated"] and encoder_calls(self.adapter) == encoder_before:
             self.close_calls.observe_prefill(counts["prefilled"], time.perf_counter() - t0)
-        return Prepared(cache, logits, position, usage, prompt, plan, planner, rows, exact_units)
+        return Prepared(
+            cache, logits, position, usage, prompt, plan, planner, rows, exact_units, pointers=finder.pointers
+        )
 
     def _worth_trying(
         self, plan_steps: Sequence[Any], misses_left: list[int], exact: int, steps: int | None
@@ -606,7 +612,9 @@ class PromptCache:
             prompt.units if refused_at is None else None,  # runs are followed only where all is kept
         )
         written += self._write_aliases(prepared, record)
-        written += self._write_pointers(prepared)
+        whole = self._whole_segments(prepared) if refused_at is None else []
+        written += len(whole)
+        written += self._write_pointers(prepared, whole)
         # the index points each chunk at this prompt, where it sits beside its neighbours now,
         # unless the store refused some of its KV: then chunks already indexed keep their place,
         # and the radix tree learns the exact prefix only as far as the store holds it
@@ -620,27 +628,86 @@ class PromptCache:
         prepared.rows = []  # the tensors now live in the store (or were refused)
         return written
 
-    def _write_pointers(self, prepared: Prepared) -> int:
+    def _whole_segments(self, prepared: Prepared) -> list[tuple[TableRow, ChunkKV]]:
+        """Each segment of the exact prefix that this prompt finished (its first units reused to
+        the token from an earlier prompt, the rest prefilled now), stored whole under its own
+        key: the exact KV of units it holds, laid end to end, as a full prefill computes them.
+        Another process walking the exact prefix segment by segment then finds it by its key
+        wherever its own reuse ended, not only at the unit where this prompt's did. Returns the
+        rows stored, with their KV."""
+        if not self._join:
+            return []
+        prompt = prepared.prompt
+        ctx = PromptKeys(prompt, prepared.planner.namespace, prompt.cuts(self.config.block_tokens))
+        out = []
+        for s, e in ctx.segments(0, prepared.exact_units):
+            if cut_back(ctx.cuts, e) != e or prompt.has_image(s, e):
+                continue
+            covering = [(row, kv) for row, kv in prepared.rows if row.start < e and row.end > s]
+            if len(covering) < 2 or all(kv is None for _, kv in covering):
+                continue  # stored whole by its own key already, or nothing in it made now
+            key = ctx.store_key(s, e, exact=True)
+            if key in self.store:
+                continue
+            parts = []
+            for row, kv in covering:
+                if row.start < s or row.end > e:
+                    break
+                if kv is None:  # reused: the rows it came from, as placed then
+                    held = records.load_kv(self.store, row.key, row.tokens)
+                    n = int(prompt.tok_off[row.end] - prompt.tok_off[row.start])
+                    if held is None or row.token + n > held.n_tokens:
+                        break
+                    extent = int(prompt.pos_off[row.end] - prompt.pos_off[row.start])
+                    kv = held.sliced(row.token, row.token + n, row.position, extent)
+                if kv.placed_at != int(prompt.pos_off[row.start]):
+                    break
+                parts.append(kv)
+            else:
+                joined = ChunkKV(
+                    torch.cat([p.k.to(parts[0].k.device) for p in parts], dim=2),
+                    torch.cat([p.v.to(parts[0].v.device) for p in parts], dim=2),
+                    torch.cat(
+                        [p.positions.cpu() + (p.placed_at - parts[0].placed_at) for p in parts], dim=-1
+                    ).to(parts[0].positions.device),
+                    int(prompt.pos_off[e] - prompt.pos_off[s]),
+                    parts[0].family,
+                    parts[0].placed_at,
+                )
+                if not fits(prompt, s, e, [joined]):
+                    continue
+                tokens = ctx.fingerprint(s, e)
+                if records.put_kv(self.store, key, joined, tokens):
+                    out.append((TableRow(s, e, key, 0, 0, tokens), joined))
+        return out
+
+    def _write_pointers(self, prepared: Prepared, whole: list[tuple[TableRow, ChunkKV]]) -> int:
         """For each exact row of text stored now, a pointer after the content before it
         (``reuse.after_key``): where a prompt that parts from this one inside the row finds its
-        leading tokens, in this process or another, after a restart too. A pointer to a longer
-        row that is still stored is kept."""
+        leading tokens, in this process or another, after a restart too. The row goes first in
+        the pointer's list, beside the rows this process's copy and the shared tier's copy (as
+        this prompt read it) listed that it does not supersede; written where it was not
+        listed first already, so a pointer a replica's write missed (the shared tier away, or
+        restarted empty) is written again with the next row it gains. ``whole``: segments
+        stored whole now (:meth:`_whole_segments`)."""
         if not self._join:
             return 0
         prompt = prepared.prompt
         ctx = PromptKeys(prompt, prepared.planner.namespace, prompt.cuts(self.config.block_tokens))
         written = 0
-        for row, kv in prepared.rows:
+        for row, kv in [*whole, *prepared.rows]:
             if kv is None or row.end > prepared.exact_units or prompt.has_image(row.start, row.end):
                 continue
             if row.key not in self.store:  # refused
                 continue
             key = after_key(ctx, row.start)
-            old = self.store.get(key)
-            kept = read_pointer(old.meta) if old is not None else None
-            if kept is not None and len(kept[1]) >= row.end - row.start and kept[0] in self.store:
-                continue  # a pointer to a longer row, still stored
-            meta = {"key": row.key, "ids": prompt.units[row.start : row.end].tolist()}
+            local, shared = self.store.get(key), prepared.pointers.get(key)
+            ids = prompt.units[row.start : row.end].astype(np.int64)
+            copies = (local, shared) if self.store.shared is not None else (local,)
+            listed = [read_pointer(e.meta) if e is not None else [] for e in copies]
+            if all(rows and rows[0][0] == row.key for rows in listed):
+                continue  # first in both already
+            meta = pointer_meta((row.key, ids), pointer_rows(local, shared))
             written += records.put(self.store, key, Entry({}, meta))
         return written
 

@@ -35,7 +35,7 @@ from cache import records
 from cache.keys import chain_key, fingerprint, span_key
 from cache.layout import ChunkKV
 from cache.planner import Plan, PlannedChunk
-from cache.store import TieredStore, record_key
+from cache.store import Entry, TieredStore, record_key
 
 
 class Step(NamedTuple):
@@ -59,6 +59,10 @@ class Finder:
         # prefill attention runs every block whole: ``agent/adapters/attention.py``), so the exact
         # prefix may end at any token; False: at a segment edge (a model not ``cut_invariant``)
         self.to_the_token = to_the_token
+        # the shared tier's own copies of pointer entries this prompt asked for (another replica
+        # may have rewritten one since this process stored its own): read beside the local copy,
+        # and merged into what this prompt's commit writes (``PromptCache._write_pointers``)
+        self.pointers: dict[str, Entry] = {}
 
     @staticmethod
     def chunks(prompt: Prompt, plan: Plan, ctx: PromptKeys, mode: str) -> list[PlannedChunk]:
@@ -203,39 +207,39 @@ class Finder:
         self, prompt: Prompt, ctx: PromptKeys, edge: int, b: int
     ) -> tuple[list[ChunkKV], tuple[TableRow, ...]] | None:
         """The exact prefix on from unit ``edge`` (at most to ``b``, never the last unit) by the
-        pointer a prompt that held the same units [0, edge) left at commit (:func:`after_key`,
-        any process): its exact row of text from ``edge``, as far as the two prompts' tokens
-        agree. The row's key is checked to be the one this prompt's context and the pointer's
-        tokens make, and its entry to hold those tokens, so a stale or misfiled pointer is a
-        miss; None. Text only."""
+        pointer prompts that held the same units [0, edge) left at commit (:func:`after_key`, any
+        process): of the exact rows of text from ``edge`` it lists, the one that agrees with this
+        prompt's tokens the furthest, as far as they agree. A row's key is checked to be the one
+        this prompt's context and the pointer's tokens make, and its entry to hold those tokens,
+        so a stale or misfiled pointer is a miss; None. Text only."""
         if not self.to_the_token or edge >= len(prompt.units) - 1:
             return None
         where = after_key(ctx, edge)
-        inside = edge != cut_back(ctx.cuts, edge)  # a segment start's pointer and row were prefetched
-        if inside and where not in self.store:
-            self._bring_in(where)
-        entry = self.store.get(where)
-        pointer = read_pointer(entry.meta) if entry is not None else None
-        if pointer is None:
+        inside = edge != cut_back(ctx.cuts, edge)
+        if inside and where not in self.pointers:
+            # inside a segment: not known before the walk got here (a segment start's was prefetched)
+            self.pointers.update(self.store.fetch_shared([where]))
+        stop_at = min(b, len(prompt.units) - 1)
+        if stop_at <= edge or prompt.has_image(edge, stop_at):
             return None
-        key, ids = pointer
-        if inside and key not in self.store:
-            self._bring_in(key)
-        stop = min(b, len(prompt.units) - 1, edge + len(ids))
-        if stop <= edge or prompt.has_image(edge, stop):
-            return None
-        ours = prompt.units[edge:stop]
-        parted = np.flatnonzero(ids[: len(ours)] != ours)
-        n = int(parted[0]) if parted.size else len(ours)
-        if n == 0 or key != exact_key(ctx, edge, ids):
-            return None
-        kv = records.load_kv(self.store, key, fingerprint([ids]), len(ids))
-        if kv is None or kv.placed_at != int(prompt.pos_off[edge]):
-            return None
-        part = kv.sliced(0, n, 0, int(prompt.pos_off[edge + n] - prompt.pos_off[edge]))
-        if not fits(prompt, edge, edge + n, [part]):
-            return None
-        return [part], (TableRow(edge, edge + n, key, 0, 0, fingerprint([ids])),)
+        ours = prompt.units[edge:stop_at]
+        agreed = []
+        for key, ids in pointer_rows(self.store.get(where), self.pointers.get(where)):
+            head = ids[: len(ours)]
+            parted = np.flatnonzero(head != ours[: len(head)])
+            n = int(parted[0]) if parted.size else len(head)
+            if n > 0 and key == exact_key(ctx, edge, ids):
+                agreed.append((n, key, ids))
+        for n, key, ids in sorted(agreed, key=lambda t: -t[0]):
+            if inside and key not in self.store:  # (a segment start's rows were prefetched)
+                self._bring_in(key)
+            kv = records.load_kv(self.store, key, fingerprint([ids]), len(ids))
+            if kv is None or kv.placed_at != int(prompt.pos_off[edge]):
+                continue
+            part = kv.sliced(0, n, 0, int(prompt.pos_off[edge + n] - prompt.pos_off[edge]))
+            if fits(prompt, edge, edge + n, [part]):
+                return [part], (TableRow(edge, edge + n, key, 0, 0, fingerprint([ids])),)
+        return None
 
     def _whole_runs(self, prompt: Prompt, steps: list[Step]) -> list[Step]:
         """Steps with each stretch of a run actually reused (a run's chunks are fetched and
@@ -306,19 +310,18 @@ class Finder:
                 keys += [r.key for r in c.payload.table if r.end > lo and r.start < hi]
             elif c.status == "miss":
                 aliases.append(record_key(ctx.content_key(c.start, c.end).hex, "alias"))
-        # the pointers left after each segment's start (exact reuse to the token), then their rows
+        # the pointers left after each segment's start (exact reuse to the token): the shared
+        # tier's copies whether or not this process holds its own, then the rows they list
         pointers = [after_key(ctx, a) for a, _ in ctx.segments(0, n_units - 1)] if self.to_the_token else []
-        fetched = set(self.store.prefetch([*keys, *aliases, *pointers]))
+        fetched = set(self.store.prefetch([*keys, *aliases]))
+        self.pointers.update(self.store.fetch_shared(pointers))
         rows = []
         for key in aliases:
             entry = self.store.get(key) if key in fetched else None
             if entry is not None:
                 rows += [str(r[2]) for r in entry.meta.get("rows", ()) if isinstance(r, list) and len(r) > 2]
         for key in pointers:
-            entry = self.store.get(key) if key in fetched else None
-            pointer = read_pointer(entry.meta) if entry is not None else None
-            if pointer is not None:
-                rows.append(pointer[0])
+            rows += [row for row, _ in pointer_rows(self.store.get(key), self.pointers.get(key))]
         if rows:
             fetched |= self.store.prefetch(rows)
         return frozenset(fetched)
@@ -443,14 +446,46 @@ def exact_key(ctx: PromptKeys, a: int, ids: np.ndarray) -> str:
     return record_key(chain_key(ctx.context(a), span_key(ctx.namespace, [ids])).hex, "exact")
 
 
-def read_pointer(meta: object) -> tuple[str, np.ndarray] | None:
-    """The row key and token ids of a pointer entry's metadata (:func:`after_key`), or None where
-    it is not one: a damaged pointer is a miss."""
-    if not isinstance(meta, Mapping):
-        return None
-    key, ids = meta.get("key"), meta.get("ids")
-    if not isinstance(key, str) or not isinstance(ids, list) or not ids:
-        return None
-    if not all(type(i) is int and 0 <= i < 1 << 62 for i in ids):
-        return None
-    return key, np.asarray(ids, np.int64)
+# The most rows one pointer lists: prompts that share a context part after it in many ways (one
+# system prompt, many conversations), and a row another prompt parts from early reaches less
+POINTER_ROWS = 8
+
+
+def read_pointer(meta: object) -> list[tuple[str, np.ndarray]]:
+    """The rows a pointer entry's metadata lists (:func:`after_key`), newest first: each row's key
+    and token ids. A damaged pointer lists none, a damaged row in it is left out: a miss."""
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("rows"), list):
+        return []
+    out = []
+    for item in meta["rows"]:
+        if not isinstance(item, list) or len(item) != 2:
+            continue
+        key, ids = item
+        if not isinstance(key, str) or not isinstance(ids, list) or not ids:
+            continue
+        if not all(type(i) is int and 0 <= i < 1 << 62 for i in ids):
+            continue
+        out.append((key, np.asarray(ids, np.int64)))
+    return out
+
+
+def pointer_rows(*entries: Entry | None) -> list[tuple[str, np.ndarray]]:
+    """The rows the pointer ``entries`` list (this process's copy, the shared tier's), each key once."""
+    seen: dict[str, np.ndarray] = {}
+    for entry in entries:
+        for key, ids in read_pointer(entry.meta) if entry is not None else ():
+            seen.setdefault(key, ids)
+    return list(seen.items())
+
+
+def pointer_meta(new: tuple[str, np.ndarray], old: list[tuple[str, np.ndarray]]) -> dict[str, object]:
+    """A pointer's metadata with row ``new`` first, then the ``old`` rows it does not supersede
+    (a row whose tokens begin the new row's: the new one reaches as far and further), at most
+    :data:`POINTER_ROWS`."""
+    key, ids = new
+    kept = [(key, ids)]
+    for k, i in old:
+        if k == key or (len(i) <= len(ids) and np.array_equal(i, ids[: len(i)])):
+            continue
+        kept.append((k, i))
+    return {"rows": [[k, i.tolist()] for k, i in kept[:POINTER_ROWS]]}

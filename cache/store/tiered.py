@@ -163,6 +163,15 @@ class TieredStore:
                     placed.append(key)
         return frozenset(placed)
 
+    def fetch_shared(self, keys: Sequence[str]) -> dict[str, Entry]:
+        """The shared tier's own entries of `keys`, in one round trip, whether or not a local tier
+        holds them too, and placed nowhere: for entries that replicas rewrite (a pointer's list
+        of rows), whose local copy may be older than the one another replica wrote since. {}
+        without a shared tier or when it is unreachable."""
+        if self.shared is None or not keys:
+            return {}
+        return self.shared.fetch_many(list(dict.fromkeys(keys)))
+
     def shared_health(self) -> RedisHealth | None:
         """The shared tier's state (breaker, queue, last error); None without one."""
         return self.shared.health() if self.shared is not None else None
