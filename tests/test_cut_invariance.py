@@ -350,7 +350,7 @@ def test_a_mixture_of_experts_keeps_its_segments_and_its_exact_reuse() -> None:
 
 
 def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
-    """A job alone may prefill ``pass_tokens`` at once; while another job runs, half of it
+    """A job alone may prefill ``pass_tokens`` at once; while another job runs, one segment
     (the other's turns come between passes); alone again, the whole bound."""
     import asyncio
     import time
@@ -381,9 +381,68 @@ def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
     worker.shutdown()
     a = seen["a"]
     assert a[0] == 512
-    assert seen["b"] == [256, 256, 256]
-    assert 256 in a
+    assert seen["b"] == [128, 128, 128]
+    assert 128 in a
     assert a[-1] == 512
+
+
+def test_a_newcomer_runs_its_pass_next_and_the_first_job_still_gets_its_turn() -> None:
+    """A long prefill runs alone; short ones arrive one at a time: each runs its first pass next,
+    before another pass of the long one (a rotation counted in all passes would put one of the
+    long one's passes first for one arrival in four). Then five short ones arrive together: the
+    long one gets a pass after at most ``AGING`` passes in a row to them."""
+    import asyncio
+    import time
+
+    from agent.engine.scheduler import AGING, ModelWorker
+
+    worker = ModelWorker(queue_size=16, pass_tokens=512)
+    events: list[str] = []
+    long_done = threading.Event()
+
+    def job(name: str, passes: int, left: int) -> None:
+        events.append("arrive " + name)
+        for i in range(passes):
+            if name == "long" and long_done.is_set():
+                return
+            batched.prefill_left(left - i, left - i - 1)
+            batched.pause()
+            events.append("pass " + name)
+            time.sleep(0.003)
+
+    async def main() -> None:
+        worker.admit()
+        first = asyncio.ensure_future(worker.run(lambda: job("long", 100_000, 100_000), threading.Event()))
+        await asyncio.sleep(0.05)
+        for i in range(8):  # one at a time
+            worker.admit()
+            await worker.run(lambda i=i: job(f"alone{i}", 2, 10), threading.Event())
+            worker.leave()
+            await asyncio.sleep(0.01 * (i % 3))
+        together = []
+        for i in range(5):
+            worker.admit()
+            together.append(worker.run(lambda i=i: job(f"together{i}", 3, 10 + i), threading.Event()))
+        await asyncio.gather(*together)
+        for _ in together:
+            worker.leave()
+        long_done.set()
+        await first
+        worker.leave()
+
+    asyncio.run(main())
+    worker.shutdown()
+    for i in range(8):
+        at = events.index(f"arrive alone{i}")
+        assert events[at + 1] == f"pass alone{i}", events[at - 2 : at + 3]
+    start = events.index("arrive together0")
+    end = max(i for i, e in enumerate(events) if e.startswith("pass together"))
+    run = 0
+    for e in events[start:end]:
+        if e.startswith("pass "):
+            run = 0 if e == "pass long" else run + 1
+            assert run <= AGING, events[start:end]
+    assert "pass long" in events[start:end]
 
 
 def test_a_pass_bound_below_one_is_refused() -> None:

@@ -21,19 +21,24 @@ wants the next token's logits (it joins the next batched decode step) and after 
    raises is run again row by row from the caches as they were, so only the rows that fail on
    their own get the error);
 3. let paused jobs run their next prefill passes, until the iteration has spent
-   ``prefill_budget_s`` on them (at least one pass): first the job with the fewest prompt tokens
-   left to prefill (``batched.prefill_left``; earlier starts first among equals), and every
-   ``AGING``-th pass the job that started first, so a long prompt keeps moving however many
-   short ones arrive.
+   ``prefill_budget_s`` on them (at least one pass) or a job arrives that can start (it is
+   started at once and takes its turn): first the job with the fewest prompt tokens left to
+   prefill (``batched.prefill_left``; earlier starts first among equals), and the job that
+   started first once ``AGING`` passes in a row went to others while it waited, so a long
+   prompt keeps moving however many short ones arrive (and a short one that arrives while the
+   long one runs alone is not made to wait for an extra pass of it).
 
 A prefill pass takes at most ``pass_tokens`` prompt tokens while its job has the model to
-itself, and half of that (at least ``SHARED_PASS_MIN``) while other jobs run or wait
+itself, and ``SHARED_PASS_TOKENS`` (one segment) while other jobs run or wait
 (``batched.pass_tokens``, asked as each pass begins; whole segments, so the KV is that of one
 pass, see ``agent/adapters/attention.py``): fewer passes read the weights fewer times, shorter
-ones let others in sooner. A long prompt therefore advances in bounded passes while the streams already
-running get a token every iteration, and short prompts that arrive meanwhile finish their prefill
-first, one after another rather than all together (their first tokens come as early as the model
-allows). A job's tokens do not depend on what it was batched with (``batched.py``).
+ones let others in sooner. A pass's time grows with the context before it (its attention), so a
+pass of a long prompt deep in its context is the longest wait a newcomer and the running streams
+can meet: one segment there is about half a second on two cores. A long prompt therefore
+advances in bounded passes while the streams already running get a token every iteration, and
+short prompts that arrive meanwhile finish their prefill first, one after another rather than
+all together (their first tokens come as early as the model allows). A job's tokens do not
+depend on what it was batched with (``batched.py``).
 
 Not here: what a job does (``runtime.py``).
 """
@@ -57,9 +62,9 @@ T = TypeVar("T")
 
 MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait their turn
 PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
-AGING = 4  # every AGING-th prefill pass goes to the job that started first
+AGING = 4  # after this many passes in a row to others, the job that started first gets one
 PASS_TOKENS = 512  # prompt tokens a prefill pass may take: others wait at most one such pass
-SHARED_PASS_MIN = 128  # and while other jobs run or wait, half of it, at least one segment
+SHARED_PASS_TOKENS = 128  # and while other jobs run or wait, one segment
 
 
 class QueueFullError(RuntimeError):
@@ -195,7 +200,8 @@ class ModelWorker:
         self._held: Counter[str] = Counter()
         self._waiting: dict[str, deque[_Job]] = {}  # insertion order is the rotation
         self._running: list[_Runner] = []  # touched by the scheduler thread only
-        self._passes = 0  # prefill passes handed out, for AGING
+        self._passes = 0  # prefill passes handed out
+        self._skipped = 0  # passes in a row to other jobs while the one that started first waited
         self._order = itertools.count()
         self._back = threading.Event()
         self.pending = 0
@@ -273,13 +279,15 @@ class ModelWorker:
         t0 = time.perf_counter()
         while paused := [r for r in self._running if r.state == "pause"]:
             self._passes += 1
-            if self._passes % AGING == 0:
-                runner = min(paused, key=lambda r: r.order)
-            else:
-                runner = min(paused, key=lambda r: (r.left, r.order))
+            oldest = min(paused, key=lambda r: r.order)
+            aged = self._skipped >= AGING
+            runner = oldest if aged else min(paused, key=lambda r: (r.left, r.order))
+            self._skipped = 0 if runner is oldest else self._skipped + 1
             runner.resume()
             if time.perf_counter() - t0 >= self.prefill_budget_s:
                 return
+            if self._waiting and len(self._running) < self.max_running:
+                return  # a job arrived: started now, it takes its turn among these
 
     def _start(self, job: _Job) -> None:
         error: BaseException | None = None
@@ -298,13 +306,13 @@ class ModelWorker:
 
     def _pass_bound(self) -> int | None:
         """Prompt tokens the next prefill pass may take: ``pass_tokens`` while its job has the
-        model to itself, half of that (at least one segment) while other jobs run or wait,
+        model to itself, one segment (at most ``pass_tokens``) while other jobs run or wait,
         whose turns come between passes. Read by the job's thread while the scheduler waits on it."""
         if self.pass_tokens is None:
             return None
         running = len(self._running)  # finished jobs leave at the end of the iteration
         alone = sum(r.state != "done" for r in self._running) <= 1 and self.pending <= running
-        return self.pass_tokens if alone else max(SHARED_PASS_MIN, self.pass_tokens // 2)
+        return self.pass_tokens if alone else min(SHARED_PASS_TOKENS, self.pass_tokens)
 
     def _decode_step(self) -> None:
         """One batched decode step for every job waiting on one, then each job on to its next."""
