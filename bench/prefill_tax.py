@@ -70,7 +70,7 @@ class _Bounded:
     """A stand-in scheduler: prefill passes of at most ``pass_tokens``; nothing else waits."""
 
     def __init__(self, pass_tokens: int) -> None:
-        self.pass_tokens = pass_tokens
+        self.bound = pass_tokens
         self.passes = 0
 
     def decode(self, adapter: Any, token: int, cache: Any, position: int) -> torch.Tensor:
@@ -78,6 +78,9 @@ class _Bounded:
 
     def pause(self) -> None:
         pass
+
+    def pass_tokens(self, before: int) -> int:
+        return self.bound
 
     def prefill_left(self, before: int, after: int) -> None:
         self.passes += 1

@@ -186,7 +186,7 @@ class _Bounded:
     """A stand-in scheduler: passes of at most ``pass_tokens``; steps run at once."""
 
     def __init__(self, pass_tokens: int) -> None:
-        self.pass_tokens = pass_tokens
+        self.bound = pass_tokens
         self.passes: list[tuple[int, int]] = []
 
     def decode(self, adapter: Any, token: int, cache: Any, position: int) -> torch.Tensor:
@@ -194,6 +194,9 @@ class _Bounded:
 
     def pause(self) -> None:
         pass
+
+    def pass_tokens(self, before: int) -> int:
+        return self.bound
 
     def prefill_left(self, before: int, after: int) -> None:
         self.passes.append((before, after))
@@ -350,8 +353,9 @@ def test_a_mixture_of_experts_keeps_its_segments_and_its_exact_reuse() -> None:
 
 
 def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
-    """A job alone may prefill ``pass_tokens`` at once; while another job runs, one segment
-    (the other's turns come between passes); alone again, the whole bound."""
+    """A job alone may prefill ``pass_tokens`` at once; while another job runs (the other's turns
+    come between passes), 256 tokens near the start of its prompt and one segment deeper; alone
+    again, the whole bound."""
     import asyncio
     import time
 
@@ -363,7 +367,7 @@ def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
     def job(name: str, passes: int, left: int) -> None:
         for i in range(passes):
             batched.prefill_left(left - i, left - i - 1)  # b, nearly done, takes the turns first
-            seen[name].append(batched.pass_tokens())
+            seen[name].append(batched.pass_tokens(128 * i))
             batched.pause()
             time.sleep(0.004)
 
@@ -381,7 +385,7 @@ def test_a_pass_takes_fewer_tokens_while_other_jobs_run() -> None:
     worker.shutdown()
     a = seen["a"]
     assert a[0] == 512
-    assert seen["b"] == [128, 128, 128]
+    assert seen["b"] == [256, 256, 256]
     assert 128 in a
     assert a[-1] == 512
 

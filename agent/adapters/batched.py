@@ -81,10 +81,10 @@ class Stepper(Protocol):
         the first token (this pass's included), ``after`` once it is done. A scheduler may run
         the passes of nearly done prompts first, and may pause here before the job's first pass."""
 
-    @property
-    def pass_tokens(self) -> int | None:
+    def pass_tokens(self, before: int) -> int | None:
         """The most prompt tokens one prefill pass may take (None: no bound), so that other
-        work waits at most one pass of that size."""
+        work waits at most one pass of that size; ``before``: the prompt's tokens ahead of the
+        pass (its attention's reach, which a pass's time grows with)."""
 
 
 _local = threading.local()
@@ -114,11 +114,11 @@ def prefill_left(before: int, after: int) -> None:
         stepper.prefill_left(before, after)
 
 
-def pass_tokens() -> int | None:
-    """The most prompt tokens one prefill pass of this thread may take: its scheduler's bound,
-    or None (one pass for all) when steps run at once."""
+def pass_tokens(before: int) -> int | None:
+    """The most prompt tokens one prefill pass of this thread may take, ``before`` tokens into
+    its prompt: its scheduler's bound, or None (one pass for all) when steps run at once."""
     stepper = current()
-    return None if stepper is None else stepper.pass_tokens
+    return None if stepper is None else stepper.pass_tokens(before)
 
 
 def lengths(cache: Any) -> list[int] | None:

@@ -228,22 +228,23 @@ def between(cuts: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
 def passes(
     prompt: Prompt,
     segments: Sequence[tuple[int, int]],
-    cap: Callable[[], int | None],
+    cap: Callable[[int], int | None],
     join: bool = True,
 ) -> Iterator[list[tuple[int, int]]]:
     """``segments`` (consecutive unit spans) grouped into forward passes, one at a time: text
-    segments join one pass while it stays within ``cap()`` tokens, asked as each pass begins (None:
-    no bound; a segment longer than the cap runs alone); an image segment is a pass of its own, so
-    passes begin and end at image edges. ``join`` False (a model whose KV depends on how its
-    prefill was cut): one pass a segment."""
+    segments join one pass while it stays within ``cap(tokens before it)`` tokens, asked as each
+    pass begins (None: no bound; a segment longer than the cap runs alone); an image segment is a
+    pass of its own, so passes begin and end at image edges. ``join`` False (a model whose KV
+    depends on how its prefill was cut): one pass a segment."""
     group: list[tuple[int, int]] = []
-    tokens, text, bound = 0, True, cap()
+    tokens, text = 0, True
+    bound = cap(int(prompt.tok_off[segments[0][0]])) if len(segments) else None
     for a, b in segments:
         n = int(prompt.tok_off[b] - prompt.tok_off[a])
         is_text = not prompt.has_image(a, b)
         if group and (not (join and is_text and text) or (bound is not None and tokens + n > bound)):
             yield group
-            group, tokens, bound = [], 0, cap()
+            group, tokens, bound = [], 0, cap(int(prompt.tok_off[a]))
         group.append((a, b))
         tokens += n
         text = is_text

@@ -29,16 +29,18 @@ wants the next token's logits (it joins the next batched decode step) and after 
    long one runs alone is not made to wait for an extra pass of it).
 
 A prefill pass takes at most ``pass_tokens`` prompt tokens while its job has the model to
-itself, and ``SHARED_PASS_TOKENS`` (one segment) while other jobs run or wait
+itself, and while other jobs run or wait ``SHARED_PASS_TOKENS``, or ``DEEP_PASS_TOKENS`` (one
+segment) where it starts ``DEEP_PASS_AT`` tokens into its prompt or later
 (``batched.pass_tokens``, asked as each pass begins; whole segments, so the KV is that of one
 pass, see ``agent/adapters/attention.py``): fewer passes read the weights fewer times, shorter
 ones let others in sooner. A pass's time grows with the context before it (its attention), so a
-pass of a long prompt deep in its context is the longest wait a newcomer and the running streams
-can meet: one segment there is about half a second on two cores. A long prompt therefore
-advances in bounded passes while the streams already running get a token every iteration, and
-short prompts that arrive meanwhile finish their prefill first, one after another rather than
-all together (their first tokens come as early as the model allows). A job's tokens do not
-depend on what it was batched with (``batched.py``).
+pass deep in a long prompt is the longest wait a newcomer and the running streams can meet: one
+segment 4,000 tokens in takes about as long as two at the start (half a second on two cores),
+and a short prompt still runs in one pass. A long prompt therefore advances in bounded passes
+while the streams already running get a token every iteration, and short prompts that arrive
+meanwhile finish their prefill first, one after another rather than all together (their first
+tokens come as early as the model allows). A job's tokens do not depend on what it was batched
+with (``batched.py``).
 
 Not here: what a job does (``runtime.py``).
 """
@@ -64,7 +66,9 @@ MAX_RUNNING = 32  # jobs that run (and decode together) at once; the rest wait t
 PREFILL_BUDGET_S = 0.25  # prefill time an iteration may spend between two decode steps
 AGING = 4  # after this many passes in a row to others, the job that started first gets one
 PASS_TOKENS = 512  # prompt tokens a prefill pass may take: others wait at most one such pass
-SHARED_PASS_TOKENS = 128  # and while other jobs run or wait, one segment
+SHARED_PASS_TOKENS = 256  # and while other jobs run or wait, at most this
+DEEP_PASS_AT = 512  # and for a pass that starts this many prompt tokens in or later,
+DEEP_PASS_TOKENS = 128  # at most this (one segment of the prompt cache's default)
 
 
 class QueueFullError(RuntimeError):
@@ -100,7 +104,7 @@ class _Runner(batched.Stepper):
     ``decode`` (waits for a batched step's logits), ``pause`` (between passes) or ``done``."""
 
     def __init__(
-        self, job: _Job, back: threading.Event, order: int, pass_tokens: Callable[[], int | None]
+        self, job: _Job, back: threading.Event, order: int, pass_tokens: Callable[[int], int | None]
     ) -> None:
         self.job = job
         self._pass_tokens = pass_tokens
@@ -150,9 +154,8 @@ class _Runner(batched.Stepper):
     def pause(self) -> None:
         self._yield("pause")
 
-    @property
-    def pass_tokens(self) -> int | None:
-        return self._pass_tokens()
+    def pass_tokens(self, before: int) -> int | None:
+        return self._pass_tokens(before)
 
     def prefill_left(self, before: int, after: int) -> None:
         if not self.queued:  # a job's first pass waits its turn like any other
@@ -304,15 +307,19 @@ class ModelWorker:
         runner.resume()  # to its first step
         self._reap()
 
-    def _pass_bound(self) -> int | None:
-        """Prompt tokens the next prefill pass may take: ``pass_tokens`` while its job has the
-        model to itself, one segment (at most ``pass_tokens``) while other jobs run or wait,
-        whose turns come between passes. Read by the job's thread while the scheduler waits on it."""
+    def _pass_bound(self, before: int) -> int | None:
+        """Prompt tokens the next prefill pass may take, ``before`` tokens into its prompt:
+        ``pass_tokens`` while its job has the model to itself; while other jobs run or wait,
+        whose turns come between passes, ``SHARED_PASS_TOKENS``, or ``DEEP_PASS_TOKENS`` from
+        ``DEEP_PASS_AT`` on (never more than ``pass_tokens``). Read by the job's thread while the
+        scheduler waits on it."""
         if self.pass_tokens is None:
             return None
         running = len(self._running)  # finished jobs leave at the end of the iteration
         alone = sum(r.state != "done" for r in self._running) <= 1 and self.pending <= running
-        return self.pass_tokens if alone else min(SHARED_PASS_TOKENS, self.pass_tokens)
+        if alone:
+            return self.pass_tokens
+        return min(DEEP_PASS_TOKENS if before >= DEEP_PASS_AT else SHARED_PASS_TOKENS, self.pass_tokens)
 
     def _decode_step(self) -> None:
         """One batched decode step for every job waiting on one, then each job on to its next."""
