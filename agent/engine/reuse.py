@@ -313,8 +313,9 @@ class Finder:
         # the pointers left after each segment's start (exact reuse to the token): the shared
         # tier's copies whether or not this process holds its own, then the rows they list
         pointers = [after_key(ctx, a) for a, _ in ctx.segments(0, n_units - 1)] if self.to_the_token else []
-        fetched = set(self.store.prefetch([*keys, *aliases]))
-        self.pointers.update(self.store.fetch_shared(pointers))
+        placed, fresh = self.store.prefetch_fresh([*keys, *aliases], pointers)
+        fetched = set(placed)
+        self.pointers.update(fresh)
         rows = []
         for key in aliases:
             entry = self.store.get(key) if key in fetched else None

@@ -149,28 +149,36 @@ class TieredStore:
         admits is dropped); returns the keys placed. Without one, or when it is unreachable,
         returns an empty set: the caller prefills what is missing.
         """
-        if self.shared is None:
-            return frozenset()
-        with self._lock:
-            wanted = [k for k in dict.fromkeys(keys) if not any(k in t for t in self.tiers)]
-        found = self.shared.fetch_many(wanted)  # outside the lock: the network may be slow
-        placed = []
-        with self._lock:
-            for key, entry in found.items():
-                if any(key in t for t in self.tiers):  # put meanwhile: keep the local one
-                    continue
-                if self._place(0, len(self._memory), key, entry, "promotion") is not None:
-                    placed.append(key)
-        return frozenset(placed)
+        return self.prefetch_fresh(keys, ())[0]
 
     def fetch_shared(self, keys: Sequence[str]) -> dict[str, Entry]:
         """The shared tier's own entries of `keys`, in one round trip, whether or not a local tier
         holds them too, and placed nowhere: for entries that replicas rewrite (a pointer's list
         of rows), whose local copy may be older than the one another replica wrote since. {}
         without a shared tier or when it is unreachable."""
-        if self.shared is None or not keys:
-            return {}
-        return self.shared.fetch_many(list(dict.fromkeys(keys)))
+        return self.prefetch_fresh((), keys)[1]
+
+    def prefetch_fresh(
+        self, keys: Sequence[str], fresh: Sequence[str]
+    ) -> tuple[frozenset[str], dict[str, Entry]]:
+        """`prefetch(keys)` and `fetch_shared(fresh)` in one round trip: the keys placed, and the
+        shared tier's own entries of `fresh`."""
+        if self.shared is None:
+            return frozenset(), {}
+        fresh = list(dict.fromkeys(fresh))
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(keys) if not any(k in t for t in self.tiers)]
+        asked = list(dict.fromkeys([*wanted, *fresh]))
+        found = self.shared.fetch_many(asked) if asked else {}  # outside the lock: the network may be slow
+        placed = []
+        with self._lock:
+            for key in wanted:
+                entry = found.get(key)
+                if entry is None or any(key in t for t in self.tiers):  # put meanwhile: keep the local one
+                    continue
+                if self._place(0, len(self._memory), key, entry, "promotion") is not None:
+                    placed.append(key)
+        return frozenset(placed), {k: found[k] for k in fresh if k in found}
 
     def shared_health(self) -> RedisHealth | None:
         """The shared tier's state (breaker, queue, last error); None without one."""
