@@ -703,7 +703,7 @@ class PromptCache:
             key = after_key(ctx, row.start)
             local, shared = self.store.get(key), prepared.pointers.get(key)
             ids = prompt.units[row.start : row.end].astype(np.int64)
-            copies = (local, shared) if self.store.shared is not None else (local,)
+            copies = (local, shared) if getattr(self.store, "shared", None) is not None else (local,)
             listed = [read_pointer(e.meta) if e is not None else [] for e in copies]
             if all(rows and rows[0][0] == row.key for rows in listed):
                 continue  # first in both already

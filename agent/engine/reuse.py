@@ -216,7 +216,7 @@ class Finder:
             return None
         where = after_key(ctx, edge)
         inside = edge != cut_back(ctx.cuts, edge)
-        if inside and where not in self.pointers:
+        if inside and where not in self.pointers and getattr(self.store, "shared", None) is not None:
             # inside a segment: not known before the walk got here (a segment start's was prefetched)
             self.pointers.update(self.store.fetch_shared([where]))
         stop_at = min(b, len(prompt.units) - 1)
