@@ -328,9 +328,13 @@ def test_a_replica_finds_a_segment_whole_where_its_own_reuse_ended_elsewhere(
 def test_a_replica_reads_the_shared_pointer_beside_its_own(llama: Any) -> None:  # noqa: F811
     """B's prompt parts from A's inside the first segment. B's own pointer after the empty
     context lists only its earlier prompt; the shared tier's, rewritten by A, lists A's row
-    first: B reads both and reuses A's row to where the prompts part, exact."""
+    first: B reads both and reuses A's row to where the prompts part, exact. Of the rows the
+    pointer lists, B brings in only that one: another prompt's row, which agrees with B's only as
+    far as the chat header, stays in Redis."""
     a, b, server = back_empty(llama)
     doc = (DOC, "Sum it up in a line.")
+    other = prompt_of(a, [Message("system", ("Other rules apply here.",)), Message("user", doc)])
+    a.commit(a.prepare(other, mode="exact"))
     first = prompt_of(a, [Message("system", ("You are terse. Keep it short.",)), Message("user", doc)])
     a.commit(a.prepare(first, mode="exact"))
     a.store.shared.flush()  # type: ignore[union-attr]
@@ -347,6 +351,11 @@ def test_a_replica_reads_the_shared_pointer_beside_its_own(llama: Any) -> None: 
     )
     assert len({k for k, _ in listed}) == len(listed) >= 2
     assert np.array_equal(listed[0][1], first.units[: CONFIG.block_tokens])
+    ctx = PromptKeys(other, a.planner("").namespace, other.cuts(CONFIG.block_tokens))
+    other_row = ctx.store_key(0, CONFIG.block_tokens, exact=True)
+    assert other_row in {k for k, _ in listed}
+    assert fakeredis.FakeRedis(server=server).exists("kamera:" + other_row)
+    assert other_row not in b.store
 
 
 def test_entry_of_other_tokens_is_refused_after_prefetch() -> None:

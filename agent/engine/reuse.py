@@ -219,18 +219,7 @@ class Finder:
         if inside and where not in self.pointers and getattr(self.store, "shared", None) is not None:
             # inside a segment: not known before the walk got here (a segment start's was prefetched)
             self.pointers.update(self.store.fetch_shared([where]))
-        stop_at = min(b, len(prompt.units) - 1)
-        if stop_at <= edge or prompt.has_image(edge, stop_at):
-            return None
-        ours = prompt.units[edge:stop_at]
-        agreed = []
-        for key, ids in pointer_rows(self.store.get(where), self.pointers.get(where)):
-            head = ids[: len(ours)]
-            parted = np.flatnonzero(head != ours[: len(head)])
-            n = int(parted[0]) if parted.size else len(head)
-            if n > 0 and key == exact_key(ctx, edge, ids):
-                agreed.append((n, key, ids))
-        for n, key, ids in sorted(agreed, key=lambda t: -t[0]):
+        for n, key, ids in self._agreeing(prompt, ctx, edge, b):
             if inside and key not in self.store:  # (a segment start's rows were prefetched)
                 self._bring_in(key)
             kv = records.load_kv(self.store, key, fingerprint([ids]), len(ids))
@@ -240,6 +229,27 @@ class Finder:
             if fits(prompt, edge, edge + n, [part]):
                 return [part], (TableRow(edge, edge + n, key, 0, 0, fingerprint([ids])),)
         return None
+
+    def _agreeing(
+        self, prompt: Prompt, ctx: PromptKeys, edge: int, b: int
+    ) -> list[tuple[int, str, np.ndarray]]:
+        """The rows the pointer after units [0, ``edge``) lists (this process's copy and the
+        shared tier's) that agree with this prompt's first tokens from ``edge`` (at most to
+        ``b``, never the last unit) and whose key this prompt's context and their tokens make:
+        (tokens agreed, key, token ids), the furthest first. Text only."""
+        stop_at = min(b, len(prompt.units) - 1)
+        if stop_at <= edge or prompt.has_image(edge, stop_at):
+            return []
+        where = after_key(ctx, edge)
+        ours = prompt.units[edge:stop_at]
+        agreed = []
+        for key, ids in pointer_rows(self.store.get(where), self.pointers.get(where)):
+            head = ids[: len(ours)]
+            parted = np.flatnonzero(head != ours[: len(head)])
+            n = int(parted[0]) if parted.size else len(head)
+            if n > 0 and key == exact_key(ctx, edge, ids):
+                agreed.append((n, key, ids))
+        return sorted(agreed, key=lambda t: -t[0])
 
     def _whole_runs(self, prompt: Prompt, steps: list[Step]) -> list[Step]:
         """Steps with each stretch of a run actually reused (a run's chunks are fetched and
@@ -311,8 +321,11 @@ class Finder:
             elif c.status == "miss":
                 aliases.append(record_key(ctx.content_key(c.start, c.end).hex, "alias"))
         # the pointers left after each segment's start (exact reuse to the token): the shared
-        # tier's copies whether or not this process holds its own, then the rows they list
-        pointers = [after_key(ctx, a) for a, _ in ctx.segments(0, n_units - 1)] if self.to_the_token else []
+        # tier's copies whether or not this process holds its own, then of the rows they list
+        # the one that agrees with this prompt the furthest (each a segment's KV: the others,
+        # which this prompt would not read, are not brought in)
+        segments = ctx.segments(0, n_units - 1) if self.to_the_token else []
+        pointers = [after_key(ctx, a) for a, _ in segments]
         placed, fresh = self.store.prefetch_fresh([*keys, *aliases], pointers)
         fetched = set(placed)
         self.pointers.update(fresh)
@@ -321,8 +334,8 @@ class Finder:
             entry = self.store.get(key) if key in fetched else None
             if entry is not None:
                 rows += [str(r[2]) for r in entry.meta.get("rows", ()) if isinstance(r, list) and len(r) > 2]
-        for key in pointers:
-            rows += [row for row, _ in pointer_rows(self.store.get(key), self.pointers.get(key))]
+        for a, b in segments:
+            rows += [key for _, key, _ in self._agreeing(prompt, ctx, a, b)[:1]]
         if rows:
             fetched |= self.store.prefetch(rows)
         return frozenset(fetched)
